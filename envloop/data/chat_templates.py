@@ -1,0 +1,96 @@
+"""Chat-template rendering and batch tokenization shared by message utilities and rollouts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_USER_MARK = "\x00envloop-user\x00"
+_ASSISTANT_MARK = "\x00envloop-assistant\x00"
+_SLOT = "\x00envloop-slot\x00"
+_PROBE = "  probe\ncontent  "
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+) -> str:
+    """The tokenizer's chat template applied to ``messages`` (role and content only), as text."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"Tokenizer {type(tokenizer).__name__} has no chat_template; set "
+            "tokenizer.chat_template, or use observation_format='raw'."
+        )
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+
+def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text (no special tokens added), in one batched tokenizer call."""
+    if not texts:
+        return []
+    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+
+
+class ObservationRenderer:
+    """Renders an environment observation as the chat template would continue a conversation.
+
+    For a conversation ending in a generated assistant response, the text that follows it in
+    the template's rendering of ``conversation + [observation]`` with the generation prompt:
+    the assistant's closing (unless the response already ended with EOS), the observation
+    turn, and the next assistant prefix. Templates that only wrap content are rendered once
+    per role and reused (checked on a probe); others are rendered per observation.
+
+    >>> from types import SimpleNamespace
+    >>> class Tok(SimpleNamespace):
+    ...     chat_template = "x"
+    ...     eos_token = "<e>"
+    ...     def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+    ...         text = "".join(f"<{m['role']}>{m['content']}<e>" for m in messages)
+    ...         return text + ("<assistant>" if add_generation_prompt else "")
+    >>> r = ObservationRenderer(Tok())
+    >>> r.render("user", "4", response_ended_with_eos=True)
+    '<user>4<e><assistant>'
+    >>> r.render("user", "4", response_ended_with_eos=False)
+    '<e><user>4<e><assistant>'
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_text: str = tokenizer.eos_token or ""
+        self._slots: dict[str, tuple[str, str] | None] = {}
+
+    def render(self, role: str, content: str, response_ended_with_eos: bool) -> str:
+        """The observation's text, starting right after the assistant response."""
+        slot = self._slots[role] if role in self._slots else self._learn_slot(role)
+        text = slot[0] + content + slot[1] if slot else self._render_after_response(role, content)
+        if response_ended_with_eos and self.eos_text and text.startswith(self.eos_text):
+            text = text[len(self.eos_text) :]
+        return text
+
+    def _learn_slot(self, role: str) -> tuple[str, str] | None:
+        head, sep, tail = self._render_after_response(role, _SLOT).partition(_SLOT)
+        slot = (head, tail) if sep else None
+        probe_ok = slot and self._render_after_response(role, _PROBE) == head + _PROBE + tail
+        self._slots[role] = slot if probe_ok else None
+        return self._slots[role]
+
+    def _render_after_response(self, role: str, content: str) -> str:
+        conversation = [
+            {"role": "user", "content": _USER_MARK},
+            {"role": "assistant", "content": _ASSISTANT_MARK},
+            {"role": role, "content": content},
+        ]
+        try:
+            text = render_chat(self.tokenizer, conversation, add_generation_prompt=True)
+        except Exception as exc:
+            raise ValueError(
+                f"The chat template cannot render an observation with role {role!r} after an "
+                f"assistant turn ({exc}). Return observations with a role the template accepts "
+                "(often 'user' or 'tool'), or use observation_format='raw'."
+            ) from exc
+        _, found, after = text.partition(_ASSISTANT_MARK)
+        if not found:
+            raise ValueError("The chat template dropped the assistant message's content.")
+        return after

@@ -1,0 +1,1 @@
+"""Batched containers and Ray helpers."""

@@ -1,0 +1,1 @@
+"""Policies: generation backends."""

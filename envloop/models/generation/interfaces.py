@@ -1,0 +1,88 @@
+"""The contract between the rollout engine and a policy's generation backend."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any, TypedDict
+
+import torch
+from typing_extensions import NotRequired
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+
+
+class GenerationDatumSpec(TypedDict):
+    """Generation input.
+
+    Attributes:
+        input_ids: [B, L] int64, right-padded prompts.
+        input_lengths: [B] int, unpadded prompt lengths.
+        stop_strings: length-B list; each ``None`` (EOS only) or a list of strings.
+            Generation of a sample stops once its generated text ends with one of them;
+            the stop string is kept in the output.
+        max_new_tokens: optional [B] int, a per-sample cap on generated tokens (the
+            rollout engine passes what is left of ``max_seq_len``); the backend also
+            applies its own ``max_new_tokens`` and uses the smaller of the two.
+    """
+
+    input_ids: torch.Tensor
+    input_lengths: torch.Tensor
+    stop_strings: NotRequired[list[list[str] | None]]
+    max_new_tokens: NotRequired[torch.Tensor]
+
+
+class GenerationOutputSpec(TypedDict):
+    """Generation output.
+
+    Attributes:
+        output_ids: [B, L'] int64, the prompt followed by the generated tokens, right-padded
+            with the pad token id. An EOS that ended generation is kept.
+        generation_lengths: [B] int, number of generated tokens.
+        unpadded_sequence_lengths: [B] int, ``input_lengths + generation_lengths``.
+        logprobs: [B, L'] float32, zero at prompt and pad positions; at a generated position,
+            the log-probability of the sampled token under the distribution it was sampled
+            from (see the backend's docstring for the exact definition).
+        truncated: optional [B] bool, True when a response stopped at its token budget
+            rather than at EOS or a stop string.
+    """
+
+    output_ids: torch.Tensor
+    generation_lengths: torch.Tensor
+    unpadded_sequence_lengths: torch.Tensor
+    logprobs: torch.Tensor
+    truncated: NotRequired[torch.Tensor]
+
+
+class GenerationInterface(ABC):
+    """A policy that turns a batch of prompts into responses."""
+
+    @abstractmethod
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate one response per row of ``data``; rows come back in input order."""
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Make the backend ready (load weights onto the device, wake engines)."""
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Release what generation needed (e.g. offload weights)."""
+        return True
+
+    def shutdown(self) -> bool:
+        """Free every resource; the backend is unusable afterwards."""
+        return True
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(sample_index, single-sample output)`` as each sample finishes.
+
+        The default runs :meth:`generate` once and yields its rows in order; backends
+        that can finish samples independently override it.
+        """
+        output = self.generate(data, greedy=greedy)
+        for i in range(output.size):
+            yield i, output.slice(i, i + 1)

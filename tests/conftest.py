@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny tokenizer and policy built locally, and one Ray session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.tiny_models import build_tiny_tokenizer, save_tiny_policy
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray workers import test modules (toy environments) by reference.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """Byte-level BPE tokenizer with a ChatML template; EOS ``<|im_end|>``, pad ``<|endoftext|>``."""
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory) -> Path:
+    """A folder holding a tiny Qwen3 causal LM and its tokenizer (``from_pretrained`` loadable)."""
+    return save_tiny_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray session shared by every test that needs it."""
+    import ray
+
+    from envloop.distributed.ray_utils import init_ray
+
+    init_ray(num_cpus=2, log_to_driver=False)
+    yield ray
+    ray.shutdown()
