@@ -21,7 +21,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    """Byte-level BPE tokenizer with a ChatML template; EOS ``<|im_end|>``, pad ``<|endoftext|>``."""
+    """Byte-level BPE tokenizer, ChatML template; EOS ``<|im_end|>``, pad ``<|endoftext|>``."""
     return build_tiny_tokenizer()
 
 

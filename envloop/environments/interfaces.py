@@ -10,7 +10,7 @@ import torch
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
-RewardsType = Union[torch.Tensor, dict[str, torch.Tensor]]
+RewardsType = Union[torch.Tensor, dict[str, torch.Tensor]]  # noqa: UP007 - runtime alias on 3.10
 """[B] float rewards, or ``{"reward/<name>": [B] float}`` for several components."""
 
 
