@@ -1,0 +1,97 @@
+"""What a valid ``EnvironmentReturn`` looks like, as a list of every violation found."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from envloop.environments.interfaces import EnvironmentReturn
+
+
+def coerce_env_return(value: Any) -> EnvironmentReturn:
+    """Accept an ``EnvironmentReturn`` or a plain 5/6-tuple of its fields."""
+    if isinstance(value, EnvironmentReturn):
+        return value
+    if isinstance(value, tuple) and len(value) in (5, 6):
+        return EnvironmentReturn(*value)
+    raise TypeError(
+        f"step() returned a {type(value).__name__}; it must return an EnvironmentReturn."
+    )
+
+
+def env_return_problems(ret: EnvironmentReturn, batch_size: int) -> list[str]:
+    """Every way ``ret`` breaks the contract for a batch of ``batch_size`` samples.
+
+    >>> ok = EnvironmentReturn([{"role": "user", "content": "hi"}], [None], [None],
+    ...                        torch.tensor([1.0]), torch.tensor([True]))
+    >>> env_return_problems(ok, 1)
+    []
+    >>> for problem in env_return_problems(ok._replace(terminateds=torch.tensor([1, 0])), 1):
+    ...     print(problem)
+    terminateds: expected shape [1], got [2]
+    terminateds: expected a bool tensor, got torch.int64
+    """
+    n = batch_size
+    problems = _list_problems("observations", ret.observations, n)
+    problems += _list_problems("metadata", ret.metadata, n)
+    problems += _list_problems("next_stop_strings", ret.next_stop_strings, n)
+    if ret.answers is not None:
+        problems += _list_problems("answers", ret.answers, n)
+    if isinstance(ret.observations, list):
+        problems += _observation_problems(ret.observations)
+    if isinstance(ret.next_stop_strings, list):
+        problems += _stop_string_problems(ret.next_stop_strings)
+    problems += _reward_problems(ret.rewards, n)
+    problems += _tensor_problems("terminateds", ret.terminateds, n, torch.bool)
+    return problems
+
+
+def _list_problems(name: str, value: Any, n: int) -> list[str]:
+    if not isinstance(value, list):
+        return [f"{name}: expected a list of {n}, got {type(value).__name__}"]
+    if len(value) != n:
+        return [f"{name}: expected {n} entries (one per sample), got {len(value)}"]
+    return []
+
+
+def _observation_problems(observations: list[Any]) -> list[str]:
+    for i, obs in enumerate(observations):
+        ok = isinstance(obs, dict) and isinstance(obs.get("role"), str)
+        if not ok or not isinstance(obs.get("content"), str):
+            return [f"observations[{i}]: expected {{'role': str, 'content': str}}, got {obs!r:.80}"]
+    return []
+
+
+def _stop_string_problems(stop_strings: list[Any]) -> list[str]:
+    for i, item in enumerate(stop_strings):
+        if item is None:
+            continue
+        if not isinstance(item, list) or not all(isinstance(s, str) and s for s in item):
+            expected = "None or a list of non-empty str"
+            return [f"next_stop_strings[{i}]: expected {expected}, got {item!r:.80}"]
+    return []
+
+
+def _reward_problems(rewards: Any, n: int) -> list[str]:
+    if isinstance(rewards, dict):
+        problems = []
+        for key, value in rewards.items():
+            if not (isinstance(key, str) and key.startswith("reward/") and len(key) > 7):
+                problems.append(f"rewards: dict key {key!r} must look like 'reward/<name>'")
+            problems += _tensor_problems(f"rewards[{key!r}]", value, n, "float")
+        return problems or ([] if rewards else ["rewards: the dict is empty"])
+    return _tensor_problems("rewards", rewards, n, "float")
+
+
+def _tensor_problems(name: str, value: Any, n: int, dtype: torch.dtype | str) -> list[str]:
+    if not isinstance(value, torch.Tensor):
+        return [f"{name}: expected a tensor of shape [{n}], got {type(value).__name__}"]
+    problems = []
+    if tuple(value.shape) != (n,):
+        problems.append(f"{name}: expected shape [{n}], got {list(value.shape)}")
+    if dtype == "float" and not value.is_floating_point():
+        problems.append(f"{name}: expected a float tensor, got {value.dtype}")
+    if isinstance(dtype, torch.dtype) and value.dtype != dtype:
+        problems.append(f"{name}: expected a bool tensor, got {value.dtype}")
+    return problems

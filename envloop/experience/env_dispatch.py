@@ -1,0 +1,168 @@
+"""Step every task group's environment concurrently; failures become per-group data.
+
+One call per environment per turn: samples are grouped by ``task_name``, every group's
+``step`` is started at once (a Ray actor call, or a thread for an in-process environment),
+and the results are collected against one deadline.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from envloop.distributed.ray_utils import is_actor
+from envloop.environments.contract import coerce_env_return, env_return_problems
+from envloop.environments.interfaces import EnvironmentReturn
+from envloop.environments.registry import unknown_name_message
+
+
+class EnvironmentStepError(RuntimeError):
+    """An environment's ``step`` failed and the rollout runs with ``on_env_error="raise"``."""
+
+
+@dataclass
+class GroupResult:
+    """One task group's step: its batch indices, and either a result or an error text."""
+
+    task_name: str
+    indices: list[int]
+    result: EnvironmentReturn | None = None
+    error: str | None = None
+
+
+def group_by_task(task_names: list[str], indices: list[int]) -> dict[str, list[int]]:
+    """``indices`` grouped by their task name, groups and members in order of appearance."""
+    groups: dict[str, list[int]] = {}
+    for i in indices:
+        groups.setdefault(task_names[i], []).append(i)
+    return groups
+
+
+def check_tasks_have_envs(task_names: list[str], task_to_env: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming the first task with no environment, and the known ones."""
+    for name in dict.fromkeys(task_names):
+        if name not in task_to_env:
+            raise ValueError(unknown_name_message("environment for task", name, list(task_to_env)))
+
+
+class EnvDispatcher:
+    """Runs environment steps for a rollout; holds the thread pool for in-process envs."""
+
+    def __init__(
+        self,
+        task_to_env: dict[str, Any],
+        timeout_s: float | None = None,
+        on_error: str = "record",
+        max_retries: int = 1,
+    ) -> None:
+        self.task_to_env = task_to_env
+        self.timeout_s = timeout_s
+        self.on_error = on_error
+        self.max_retries = max_retries
+        self._pool: ThreadPoolExecutor | None = None
+
+    def step(
+        self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
+    ) -> list[GroupResult]:
+        """Step each group's environment on its samples' logs and metadata, concurrently."""
+        pending = {
+            task: self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
+            for task, idx in groups.items()
+        }
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        results = []
+        for task, idx in groups.items():
+            result = GroupResult(task, idx)
+            try:
+                ret = self._collect(task, pending[task], deadline, env_logs, metadata, idx)
+                result.result = _validated(task, ret, len(idx))
+            except Exception as exc:
+                result.error = self._failure(task, exc)
+            results.append(result)
+        return results
+
+    def shutdown(self) -> None:
+        """Stop the thread pool without waiting for steps that overran their timeout."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _submit(self, task: str, logs: list[list[dict]], metadata: list[Any]) -> Any:
+        env = self.task_to_env[task]
+        if is_actor(env):
+            return env.step.remote(logs, metadata)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(thread_name_prefix="envloop-env")
+        # Copies, so an in-process environment sees what an actor would: its own objects.
+        return self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
+
+    def _collect(
+        self,
+        task: str,
+        handle: Any,
+        deadline: float | None,
+        env_logs: list[list[dict]],
+        metadata: list[Any],
+        idx: list[int],
+    ) -> Any:
+        for attempt in range(self.max_retries + 1):
+            try:
+                return _wait(handle, deadline)
+            except Exception as exc:
+                if attempt == self.max_retries or not isinstance(exc, RayActorError):
+                    raise
+                handle = self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
+        raise AssertionError("unreachable")
+
+    def _failure(self, task: str, exc: BaseException) -> str:
+        if isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
+            text = f"env {task}.step timed out after {self.timeout_s} s"
+        elif isinstance(exc, _ContractError):
+            text = str(exc)
+        else:
+            text = f"env {task}.step raised:\n{_format_exception(exc)}"
+        if self.on_error == "raise":
+            raise EnvironmentStepError(text) from exc
+        return text
+
+
+class _ContractError(ValueError):
+    pass
+
+
+def _validated(task: str, value: Any, n: int) -> EnvironmentReturn:
+    try:
+        ret = coerce_env_return(value)
+    except TypeError as exc:
+        raise _ContractError(f"env {task}.step: {exc}") from exc
+    problems = env_return_problems(ret, n)
+    if problems:
+        raise _ContractError(
+            f"env {task}.step broke the EnvironmentReturn contract: " + "; ".join(problems)
+        )
+    return ret
+
+
+def _wait(handle: Any, deadline: float | None) -> Any:
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    if isinstance(handle, Future):
+        return handle.result(timeout=remaining)
+    try:
+        return ray.get(handle, timeout=remaining)
+    except GetTimeoutError:
+        ray.cancel(handle)
+        raise
+
+
+def _format_exception(exc: BaseException) -> str:
+    if isinstance(exc, RayTaskError):
+        return str(exc)  # already holds the remote traceback
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()

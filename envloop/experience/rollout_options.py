@@ -1,0 +1,59 @@
+"""Options of the rollout engine, validated once with every problem reported."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from envloop.config_errors import ConfigError, unknown_keys
+
+ObservationFormat = Literal["raw", "chat_template"]
+OnEnvError = Literal["record", "raise"]
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """Keyword options of ``run_multi_turn_rollout``.
+
+    >>> RolloutOptions.from_kwargs({"observation_format": "chat_template"}).on_env_error
+    'record'
+    """
+
+    observation_format: ObservationFormat = "raw"
+    """``raw``: observation content tokenized as is. ``chat_template``: rendered as a chat
+    message by the tokenizer's template, followed by the next assistant prefix."""
+    env_step_timeout_s: float | None = None
+    """Seconds one environment step may take before its samples fail; None: no limit."""
+    on_env_error: OnEnvError = "record"
+    """``record``: a failing environment fails only its samples. ``raise``: fail fast."""
+    env_max_retries: int = 1
+    """Retries of a step whose Ray actor died (Ray restarts the actor in between)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.observation_format not in ("raw", "chat_template"):
+            problems.append(
+                f"observation_format: {self.observation_format!r} is not one of raw, chat_template"
+            )
+        if self.on_env_error not in ("record", "raise"):
+            problems.append(f"on_env_error: {self.on_env_error!r} is not one of record, raise")
+        timeout = self.env_step_timeout_s
+        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+            problems.append(f"env_step_timeout_s: {timeout!r} must be a positive number or None")
+        if not isinstance(self.env_max_retries, int) or self.env_max_retries < 0:
+            problems.append(f"env_max_retries: {self.env_max_retries!r} must be an int >= 0")
+        if problems:
+            raise ConfigError("rollout options", problems)
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> RolloutOptions:
+        """Build from keyword options, rejecting unknown names together with bad values."""
+        known = [f.name for f in fields(cls)]
+        problems = unknown_keys(options, known)
+        try:
+            built = cls(**{k: v for k, v in options.items() if k in known})
+        except ConfigError as exc:
+            problems += exc.problems
+        if problems:
+            raise ConfigError("rollout options", problems)
+        return built

@@ -1,0 +1,137 @@
+"""Checking a ``GenerationDatumSpec`` batch and assembling a ``GenerationOutputSpec`` batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.decode_loop import SampleResult
+from envloop.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
+
+
+def check_generation_input(data: Any, vocab_size: int | None) -> None:
+    """Raise one ``ValueError`` naming every bad key of a generation input batch.
+
+    Token ids are checked against ``vocab_size`` unless it is None.
+
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 0]]), "input_lengths": torch.tensor([2])}
+    >>> check_generation_input(batch, vocab_size=10)
+    >>> check_generation_input({**batch, "stop_strings": []}, vocab_size=10)
+    Traceback (most recent call last):
+    ...
+    ValueError: Invalid generation input:
+      - stop_strings: has 0 entries, expected one per sample (1)
+    """
+    if not isinstance(data, dict):
+        raise TypeError(f"generate takes a BatchedDataDict, got {type(data).__name__}.")
+    problems = _input_ids_problems(data.get("input_ids"), vocab_size)
+    if problems:
+        raise _input_error(problems)
+    batch, width = data["input_ids"].shape
+    problems += _lengths_problems(data.get("input_lengths"), batch, width)
+    if data.get("stop_strings") is not None:
+        problems += _stop_strings_problems(data["stop_strings"], batch)
+    if data.get("max_new_tokens") is not None:
+        problems += _budget_problems(data["max_new_tokens"], batch)
+    if problems:
+        raise _input_error(problems)
+
+
+def sample_budgets(data: BatchedDataDict[GenerationDatumSpec], cap: int) -> list[int]:
+    """Per-sample token budgets: ``min(data["max_new_tokens"][i], cap)``, or ``cap``.
+
+    >>> sample_budgets({"input_ids": torch.zeros(2, 1), "max_new_tokens": torch.tensor([0, 9])}, 4)
+    [0, 4]
+    """
+    budgets = data.get("max_new_tokens")
+    if budgets is None:
+        return [cap] * len(data["input_ids"])
+    return [min(int(b), cap) for b in budgets.tolist()]
+
+
+def build_output(
+    input_ids: torch.Tensor,
+    input_lengths: torch.Tensor,
+    results: Sequence[SampleResult],
+    pad_id: int,
+) -> BatchedDataDict[GenerationOutputSpec]:
+    """Prompt + generated tokens, right-padded to ``max(L, longest sequence)`` columns.
+
+    ``input_ids`` [B, L] and ``input_lengths`` [B] describe the prompts; tensors come back
+    on the CPU.
+    """
+    prompt_lengths = input_lengths.tolist()
+    gen_lengths = [len(r.tokens) for r in results]
+    total = [p + g for p, g in zip(prompt_lengths, gen_lengths)]
+    width = max([input_ids.shape[1], *total])
+    output_ids = torch.full((len(results), width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((len(results), width), dtype=torch.float32)
+    for row, (result, start) in enumerate(zip(results, prompt_lengths)):
+        output_ids[row, :start] = input_ids[row, :start].cpu()
+        end = start + len(result.tokens)
+        output_ids[row, start:end] = torch.tensor(result.tokens, dtype=torch.long)
+        logprobs[row, start:end] = torch.tensor(result.logprobs, dtype=torch.float32)
+    return BatchedDataDict(
+        output_ids=output_ids,
+        generation_lengths=torch.tensor(gen_lengths, dtype=torch.long),
+        unpadded_sequence_lengths=torch.tensor(total, dtype=torch.long),
+        logprobs=logprobs,
+        truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
+    )
+
+
+def _input_error(problems: list[str]) -> ValueError:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return ValueError(f"Invalid generation input:\n{lines}")
+
+
+def _input_ids_problems(input_ids: Any, vocab_size: int | None) -> list[str]:
+    if not isinstance(input_ids, torch.Tensor):
+        return ["input_ids: missing or not a torch.Tensor; expected [B, L] int64"]
+    if input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        return [
+            f"input_ids: got {input_ids.dtype} of shape {tuple(input_ids.shape)}; expected a "
+            "[B, L] int64 tensor (use .long())"
+        ]
+    if vocab_size is None or not input_ids.numel():
+        return []
+    if input_ids.min() < 0 or input_ids.max() >= vocab_size:
+        return [f"input_ids: token ids must lie in [0, {vocab_size}) (the model's vocabulary)"]
+    return []
+
+
+def _lengths_problems(lengths: Any, batch: int, width: int) -> list[str]:
+    if not isinstance(lengths, torch.Tensor) or lengths.shape != (batch,):
+        shape = tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths)
+        return [f"input_lengths: got {shape}; expected a [{batch}] integer tensor"]
+    if lengths.is_floating_point() or lengths.dtype == torch.bool:
+        return [f"input_lengths: got {lengths.dtype}; expected an integer tensor"]
+    if batch and (lengths.min() < 1 or lengths.max() > width):
+        return [f"input_lengths: values must lie in [1, {width}] (input_ids has {width} columns)"]
+    return []
+
+
+def _stop_strings_problems(stop_strings: Any, batch: int) -> list[str]:
+    if not isinstance(stop_strings, list) or len(stop_strings) != batch:
+        got = f"{len(stop_strings)} entries" if isinstance(stop_strings, list) else "not a list"
+        return [f"stop_strings: has {got}, expected one per sample ({batch})"]
+    for i, stops in enumerate(stop_strings):
+        ok = stops is None or (
+            isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
+        )
+        if not ok:
+            return [f"stop_strings[{i}]: {stops!r} must be None or a list of non-empty strings"]
+    return []
+
+
+def _budget_problems(budgets: Any, batch: int) -> list[str]:
+    if not isinstance(budgets, torch.Tensor) or budgets.shape != (batch,):
+        return [f"max_new_tokens: expected a [{batch}] integer tensor, got {budgets!r}"]
+    if budgets.is_floating_point() or budgets.dtype == torch.bool:
+        return [f"max_new_tokens: got {budgets.dtype}; expected an integer tensor"]
+    if batch and budgets.min() < 0:
+        return ["max_new_tokens: per-sample budgets must be >= 0"]
+    return []

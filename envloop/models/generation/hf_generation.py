@@ -1,0 +1,332 @@
+"""``HfGeneration``: a transformers causal LM behind ``GenerationInterface``.
+
+Decoding is our own loop over a KV cache (``decode_loop``), not ``model.generate``, so each
+reported log-probability is exactly that of the distribution its token was drawn from.
+With ``num_workers > 1`` the batch is split across that many Ray actors, each holding a copy
+of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from envloop.config_errors import ConfigError, unknown_keys
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
+from envloop.models.generation.generation_batches import (
+    build_output,
+    check_generation_input,
+    sample_budgets,
+)
+from envloop.models.generation.interfaces import (
+    GenerationDatumSpec,
+    GenerationInterface,
+    GenerationOutputSpec,
+)
+
+_DEVICES = ("cpu", "cuda", "auto")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class HfGenerationConfig:
+    """Settings of :class:`HfGeneration`, validated on construction (all problems at once).
+
+    >>> HfGenerationConfig(model_name="Qwen/Qwen3-0.6B", top_p=0.9).tokenizer_name
+    'Qwen/Qwen3-0.6B'
+    >>> HfGenerationConfig(model_name="m", temperature=0, num_workers=0)
+    Traceback (most recent call last):
+    ...
+    envloop.config_errors.ConfigError: Invalid HfGenerationConfig:
+      - temperature: 0 must be a number > 0 (use generate(..., greedy=True) for argmax)
+      - num_workers: 0 must be an int >= 1
+    """
+
+    model_name: str
+    """Local folder or hub id, loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    tokenizer_name: str | None = None
+    """Folder or hub id of the tokenizer; None uses ``model_name``."""
+    device: str = "cpu"
+    """``cpu``, ``cuda``, or ``auto`` (cuda when available, else cpu)."""
+    dtype: str = "float32"
+    """Weights dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    temperature: float = 1.0
+    """Logits are divided by it before top-k/top-p filtering; > 0."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, 0 < top_p <= 1; 1 keeps every token."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens (>= 1); None keeps all."""
+    max_new_tokens: int = 512
+    """Most tokens generated per sample (>= 1); a per-sample budget in the batch may lower it."""
+    micro_batch_size: int = 8
+    """Rows decoded together in one forward pass (per worker)."""
+    seed: int = 0
+    """Seeds the sampling generator; worker ``i`` uses ``seed + i``."""
+    num_workers: int = 1
+    """1: generate in this process. N > 1: N Ray actors, each with its own model copy."""
+    worker_num_cpus: float = 1.0
+    """CPUs Ray reserves for each worker actor (``num_workers > 1`` only)."""
+    worker_num_gpus: float = 0.0
+    """GPUs Ray reserves for each worker actor; must be > 0 for ``device='cuda'`` workers."""
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_name is None:
+            object.__setattr__(self, "tokenizer_name", self.model_name)
+        problems = _config_problems(self)
+        if problems:
+            raise ConfigError("HfGenerationConfig", problems)
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> HfGenerationConfig:
+        """Build from a plain dict, reporting unknown keys together with bad values."""
+        known = [f.name for f in fields(cls)]
+        problems = unknown_keys(options, known)
+        if "model_name" not in options:
+            problems.append("model_name: required (a local folder or hub id)")
+        try:
+            built = cls(**{k: v for k, v in options.items() if k in known})
+        except (ConfigError, TypeError) as exc:
+            problems += getattr(exc, "problems", [])
+        if problems:
+            raise ConfigError("HfGenerationConfig", problems)
+        return built
+
+
+class HfGeneration(GenerationInterface):
+    """Generation with a transformers causal LM on CPU or GPU, in-process or on Ray actors.
+
+    ``logprobs[i, t]`` of a generated token is ``log_softmax(filter(logits / temperature))``
+    at that token, where ``filter`` keeps the ``top_k`` largest logits, then the smallest set
+    of most likely tokens with probability mass >= ``top_p``, and sets the others to -inf:
+    exactly the distribution the token was sampled from. Greedy decoding takes the argmax of
+    that same distribution and reports its log-probability the same way.
+
+    A sample stops at an EOS token (any of the tokenizer's, model config's and generation
+    config's EOS ids; the EOS is kept), when its generated text contains one of its stop
+    strings (checked after every token, so the text ends with the stop string, or a few
+    characters past it when the last token runs on; kept), or at its token budget
+    (``truncated=True``). The sampling generator is seeded once, on construction: a fresh
+    instance repeats the same calls exactly, and later calls draw new samples.
+
+    Attributes:
+        config: the validated :class:`HfGenerationConfig`.
+        tokenizer: the loaded tokenizer (also what the rollout engine tokenizes with).
+        model: the loaded model; None when the work runs on Ray actors.
+    """
+
+    def __init__(self, config: HfGenerationConfig) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name)
+        self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
+        self.model: Any = None
+        self._workers: list[Any] = []
+        if config.num_workers > 1:
+            self._workers = _start_workers(config)
+            return
+        self.device = _resolve_device(config.device)
+        self.model = _load_model(config, self.device)
+        self.eos_ids = _eos_token_ids(self.tokenizer, self.model)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate one response per row (see the class docstring); rows in input order."""
+        if self._workers:
+            return self._generate_on_workers(data, greedy)
+        check_generation_input(data, self.model.get_input_embeddings().num_embeddings)
+        batch = BatchedDataDict(data)
+        size, step = batch["input_ids"].shape[0], self.config.micro_batch_size
+        if size == 0:
+            return build_output(batch["input_ids"], batch["input_lengths"], [], self.pad_id)
+        parts = [
+            self._generate_rows(batch.slice(i, i + step), greedy) for i in range(0, size, step)
+        ]
+        return BatchedDataDict.from_batches(parts, _OUTPUT_PAD_VALUES | {"output_ids": self.pad_id})
+
+    def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Put the model (on every worker) in eval mode; weights already sit on the device."""
+        if self._workers:
+            import ray
+
+            return all(ray.get([w.prepare_for_generation.remote() for w in self._workers]))
+        self.model.eval()
+        return True
+
+    def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Nothing to release: the model stays loaded between generation rounds."""
+        return True
+
+    def shutdown(self) -> bool:
+        """Kill the worker actors and drop the model; the instance is unusable afterwards."""
+        if self._workers:
+            import ray
+
+            for worker in self._workers:
+                ray.kill(worker)
+        self._workers = []
+        self.model = None
+        return True
+
+    def _generate_rows(
+        self, batch: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """One micro-batch through the decode loop."""
+        input_ids, lengths = batch["input_ids"], batch["input_lengths"]
+        prompts = [ids[: int(n)] for ids, n in zip(input_ids, lengths)]
+        stops = batch.get("stop_strings") or [None] * len(prompts)
+        results: list[SampleResult] = decode(
+            self.model,
+            self.tokenizer,
+            prompts,
+            sample_budgets(batch, self.config.max_new_tokens),
+            stops,
+            self._decode_settings(greedy),
+            self.generator,
+        )
+        return build_output(input_ids, lengths, results, self.pad_id)
+
+    def _decode_settings(self, greedy: bool) -> DecodeSettings:
+        cfg = self.config
+        return DecodeSettings(
+            cfg.temperature, cfg.top_k, cfg.top_p, greedy, self.eos_ids, self.pad_id
+        )
+
+    def _generate_on_workers(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Contiguous shards to the workers in parallel, concatenated back in input order."""
+        import ray
+
+        if not isinstance(data, BatchedDataDict):
+            data = BatchedDataDict(data)
+        check_generation_input(data, vocab_size=None)
+        shards = data.shard_by_batch_size(len(self._workers))
+        jobs = [(w, s) for w, s in zip(self._workers, shards) if s.size] or [
+            (self._workers[0], data)
+        ]
+        outputs = ray.get([worker.generate.remote(shard, greedy) for worker, shard in jobs])
+        return BatchedDataDict.from_batches(
+            outputs, _OUTPUT_PAD_VALUES | {"output_ids": self.pad_id}
+        )
+
+
+_OUTPUT_PAD_VALUES: dict[str, int | float] = {"logprobs": 0.0}
+
+
+def _config_problems(cfg: HfGenerationConfig) -> list[str]:
+    """One line per bad field of ``cfg``, each naming the field and the fix."""
+    checks = [
+        ("model_name", isinstance(cfg.model_name, str) and cfg.model_name, "a folder or hub id"),
+        (
+            "tokenizer_name",
+            isinstance(cfg.tokenizer_name, str) and cfg.tokenizer_name,
+            "a folder or hub id, or None",
+        ),
+        ("device", cfg.device in _DEVICES, f"one of {', '.join(_DEVICES)}"),
+        ("dtype", cfg.dtype in _DTYPES, f"one of {', '.join(_DTYPES)}"),
+        (
+            "temperature",
+            _is_number(cfg.temperature) and cfg.temperature > 0,
+            "a number > 0 (use generate(..., greedy=True) for argmax)",
+        ),
+        ("top_p", _is_number(cfg.top_p) and 0 < cfg.top_p <= 1, "a number in (0, 1]"),
+        ("top_k", cfg.top_k is None or _is_int(cfg.top_k, 1), "None or an int >= 1"),
+        ("max_new_tokens", _is_int(cfg.max_new_tokens, 1), "an int >= 1"),
+        ("micro_batch_size", _is_int(cfg.micro_batch_size, 1), "an int >= 1"),
+        ("seed", _is_int(cfg.seed, 0), "an int >= 0"),
+        ("num_workers", _is_int(cfg.num_workers, 1), "an int >= 1"),
+        (
+            "worker_num_cpus",
+            _is_number(cfg.worker_num_cpus) and cfg.worker_num_cpus >= 0,
+            "a number >= 0",
+        ),
+        (
+            "worker_num_gpus",
+            _is_number(cfg.worker_num_gpus) and cfg.worker_num_gpus >= 0,
+            "a number >= 0",
+        ),
+    ]
+    problems = [
+        f"{name}: {getattr(cfg, name)!r} must be {fix}" for name, ok, fix in checks if not ok
+    ]
+    if cfg.num_workers != 1 and cfg.device in ("cuda", "auto") and not cfg.worker_num_gpus:
+        problems.append(
+            f"worker_num_gpus: 0 gives the {cfg.num_workers} workers no GPU for device="
+            f"{cfg.device!r}; set it (e.g. 1) or use device='cpu'"
+        )
+    return problems
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "HfGenerationConfig.device='cuda' but no CUDA device is visible; "
+            "use device='cpu' or 'auto'."
+        )
+    return torch.device(device)
+
+
+def _load_model(config: HfGenerationConfig, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=_DTYPES[config.dtype])
+    return model.to(device).eval()
+
+
+def _pad_token_id(tokenizer: Any, name: str | None) -> int:
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            f"The tokenizer {name!r} has no pad token, which HfGeneration needs to pad outputs. "
+            "Set one and save the tokenizer (tokenizer.pad_token = '<unused token>'; "
+            "tokenizer.save_pretrained(folder)), then point tokenizer_name at that folder."
+        )
+    return int(tokenizer.pad_token_id)
+
+
+def _eos_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
+    """Every EOS id named by the tokenizer, the model config and its generation config."""
+    generation_config = getattr(model, "generation_config", None)
+    sources = [
+        tokenizer.eos_token_id,
+        getattr(model.config, "eos_token_id", None),
+        getattr(generation_config, "eos_token_id", None),
+    ]
+    ids: set[int] = set()
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    if not ids:
+        raise ValueError("Neither the tokenizer nor the model config names an EOS token id.")
+    return frozenset(ids)
+
+
+def _start_workers(config: HfGenerationConfig) -> list[Any]:
+    """``num_workers`` Ray actors, each an in-process HfGeneration seeded ``seed + rank``."""
+    import ray
+
+    actor_class = ray.remote(num_cpus=config.worker_num_cpus, num_gpus=config.worker_num_gpus)(
+        HfGeneration
+    )
+    return [
+        actor_class.remote(dataclasses.replace(config, num_workers=1, seed=config.seed + rank))
+        for rank in range(config.num_workers)
+    ]

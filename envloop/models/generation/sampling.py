@@ -1,0 +1,64 @@
+"""The next-token distribution of a decode step, and drawing a token from it.
+
+One function builds the distribution (temperature, then top-k and top-p filtering,
+renormalized) and another picks from it, so the reported log-probability is always the one
+of the distribution the token was drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sampling_logprobs(
+    logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float
+) -> torch.Tensor:
+    """Log-probabilities [b, V] float32 of the distribution tokens are drawn from.
+
+    ``log_softmax(filter(logits / temperature))``, where ``filter`` keeps the ``top_k`` largest
+    logits (all if None), then the smallest set of most likely tokens whose probability sums
+    to at least ``top_p`` (the most likely token is always kept), and sets the rest to -inf.
+
+    >>> logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    >>> sampling_logprobs(logits, 1.0, top_k=None, top_p=0.7).exp()
+    tensor([[0.6250, 0.3750, 0.0000]])
+    >>> sampling_logprobs(logits, 1.0, top_k=1, top_p=1.0).exp()
+    tensor([[1., 0., 0.]])
+    """
+    scaled = logits.float() / temperature
+    if top_k is not None and top_k < scaled.shape[-1]:
+        scaled = _keep_top_k(scaled, top_k)
+    if top_p < 1.0:
+        scaled = _keep_top_p(scaled, top_p)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def choose_tokens(
+    logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [b] int64 drawn from ``logprobs`` [b, V] (argmax if greedy), and their logprobs [b].
+
+    >>> logprobs = torch.log(torch.tensor([[0.1, 0.9], [0.8, 0.2]]))
+    >>> tokens, token_logprobs = choose_tokens(logprobs, greedy=True, generator=None)
+    >>> tokens.tolist(), token_logprobs.exp().tolist()
+    ([1, 0], [0.8999999761581421, 0.800000011920929])
+    """
+    if greedy:
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def _keep_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
