@@ -65,7 +65,9 @@ def batched_message_log_to_flat_message(
     Returns ``(flat, input_lengths)``: ``flat[key]`` is [B, L] for tensor keys (padded with
     ``pad_value_dict[key]``, default 0; L rounded up to a multiple of
     ``make_sequence_length_divisible_by``) and a list of per-sample lists otherwise;
-    ``input_lengths`` is [B] int32, the unpadded ``token_ids`` lengths.
+    ``input_lengths`` is [B] int32, the unpadded ``token_ids`` lengths. Every tensor key has
+    the same L and stays aligned with ``token_ids``: a sample's tokens whose messages lack
+    the key hold 0.
 
     >>> logs = [[{"role": "user", "content": "a", "token_ids": torch.tensor([1, 2, 3])}],
     ...         [{"role": "user", "content": "b", "token_ids": torch.tensor([4])}]]
@@ -85,13 +87,16 @@ def batched_message_log_to_flat_message(
         return BatchedDataDict(), torch.empty(0, dtype=torch.int32)
     lengths = torch.tensor([len(f.get("token_ids", ())) for f in flats], dtype=torch.int32)
     pad_values = dict(pad_value_dict or {})
+    # One width for every tensor key, so per-token columns stay aligned with token_ids.
+    width = max(
+        (len(v) for f in flats for v in f.values() if isinstance(v, torch.Tensor)), default=0
+    )
+    width = -(-width // make_sequence_length_divisible_by) * make_sequence_length_divisible_by
     out: BatchedDataDict[Any] = BatchedDataDict()
     for key in _union_keys(flats):
         values = [f.get(key) for f in flats]
         if any(isinstance(v, torch.Tensor) for v in values):
-            out[key] = _pad_rows(
-                key, values, pad_values.get(key, 0), make_sequence_length_divisible_by
-            )
+            out[key] = _pad_rows(values, lengths.tolist(), pad_values.get(key, 0), width)
         else:
             out[key] = [v if v is not None else [] for v in values]
     return out, lengths
@@ -184,11 +189,16 @@ def _union_keys(flats: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(keys)
 
 
-def _pad_rows(key: str, rows: list[Any], pad_value: int | float, divisor: int) -> torch.Tensor:
+def _pad_rows(
+    rows: list[Any], lengths: list[int], pad_value: int | float, width: int
+) -> torch.Tensor:
+    # A sample whose messages all lack the key gets zeros over its tokens, as a single
+    # message lacking it does in message_log_to_flat_messages.
     dtype = next(r.dtype for r in rows if isinstance(r, torch.Tensor))
-    tensors = [r if isinstance(r, torch.Tensor) else torch.empty(0, dtype=dtype) for r in rows]
-    width = max(len(t) for t in tensors)
-    width = -(-width // divisor) * divisor
+    tensors = [
+        r if isinstance(r, torch.Tensor) else torch.zeros(n, dtype=dtype)
+        for r, n in zip(rows, lengths)
+    ]
     out = torch.full((len(tensors), width), pad_value, dtype=dtype)
     for i, t in enumerate(tensors):
         out[i, : len(t)] = t

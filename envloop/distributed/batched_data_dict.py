@@ -66,7 +66,9 @@ class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
         out = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
-                out[key] = value.index_select(0, index_tensor.to(value.device))
+                # Advanced indexing (not index_select) so negative indices mean what they
+                # mean for list columns.
+                out[key] = value[index_tensor.to(value.device)]
             elif isinstance(value, list):
                 out[key] = [value[i] for i in index_list]
             else:

@@ -40,6 +40,18 @@ def check_generation_input(data: Any, vocab_size: int | None) -> None:
         raise _input_error(problems)
 
 
+def generation_columns(data: Any) -> BatchedDataDict[GenerationDatumSpec]:
+    """The input keys of ``GenerationDatumSpec`` present (and not None) in ``data``.
+
+    Other columns a caller keeps alongside (message logs, task names) are left out.
+
+    >>> sorted(generation_columns({"input_ids": torch.zeros(1, 2), "extra": None}))
+    ['input_ids']
+    """
+    keys = ("input_ids", "input_lengths", "stop_strings", "max_new_tokens")
+    return BatchedDataDict({k: data[k] for k in keys if data.get(k) is not None})
+
+
 def sample_budgets(data: BatchedDataDict[GenerationDatumSpec], cap: int) -> list[int]:
     """Per-sample token budgets: ``min(data["max_new_tokens"][i], cap)``, or ``cap``.
 

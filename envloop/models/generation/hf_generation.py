@@ -20,6 +20,7 @@ from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, 
 from envloop.models.generation.generation_batches import (
     build_output,
     check_generation_input,
+    generation_columns,
     sample_budgets,
 )
 from envloop.models.generation.interfaces import (
@@ -141,7 +142,7 @@ class HfGeneration(GenerationInterface):
         if self._workers:
             return self._generate_on_workers(data, greedy)
         check_generation_input(data, self.model.get_input_embeddings().num_embeddings)
-        batch = BatchedDataDict(data)
+        batch = generation_columns(data)
         size, step = batch["input_ids"].shape[0], self.config.micro_batch_size
         if size == 0:
             return build_output(batch["input_ids"], batch["input_lengths"], [], self.pad_id)
@@ -204,9 +205,8 @@ class HfGeneration(GenerationInterface):
         """Contiguous shards to the workers in parallel, concatenated back in input order."""
         import ray
 
-        if not isinstance(data, BatchedDataDict):
-            data = BatchedDataDict(data)
         check_generation_input(data, vocab_size=None)
+        data = generation_columns(data)
         shards = data.shard_by_batch_size(len(self._workers))
         jobs = [(w, s) for w, s in zip(self._workers, shards) if s.size] or [
             (self._workers[0], data)

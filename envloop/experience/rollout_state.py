@@ -1,0 +1,268 @@
+"""The per-sample state of a batched rollout, and the steps of SPEC §7 that update it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from envloop.data.chat_templates import ObservationRenderer, tokenize_texts
+from envloop.data.llm_message_utils import require_token_ids
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.env_dispatch import GroupResult
+from envloop.experience.token_buffer import TokenBuffer
+from envloop.experience.turn_steps import (
+    Responses,
+    assistant_message,
+    check_generation_output,
+    fit_observation,
+    observation_text,
+    split_responses,
+)
+
+
+@dataclass
+class RolloutState:
+    """Everything the engine tracks per sample (B of them) while a rollout runs.
+
+    Tensors are [B]; lists have B entries. ``done`` samples take no further turns.
+    """
+
+    message_logs: list[list[dict]]
+    env_views: list[list[dict]]  # role/content only: what environments receive
+    metadata: list[Any]
+    stop_strings: list[list[str] | None]
+    task_names: list[str]
+    tokens: TokenBuffer
+    total_reward: torch.Tensor  # float32
+    turn_rewards: list[list[float]]  # each sample's reward per turn
+    turns: torch.Tensor  # int64
+    gen_tokens: torch.Tensor  # int64, generated tokens so far
+    env_tokens: torch.Tensor  # int64, observation tokens so far
+    terminated: torch.Tensor  # bool, ended by its environment
+    truncated: torch.Tensor  # bool, reached max_seq_len
+    failed: torch.Tensor  # bool, its environment step raised or timed out
+    errors: list[str | None]  # the failure text of failed samples
+    components: dict[str, torch.Tensor] = field(default_factory=dict)  # "reward/<name>" totals
+
+    @property
+    def size(self) -> int:
+        return len(self.message_logs)
+
+    @property
+    def done(self) -> torch.Tensor:
+        """[B] bool: terminated, truncated, or failed."""
+        return self.terminated | self.truncated | self.failed
+
+    def active_indices(self) -> torch.Tensor:
+        """[b] int64 indices of the samples that take another turn."""
+        return (~self.done).nonzero().flatten()
+
+    @classmethod
+    def start(cls, batch: BatchedDataDict[Any], tokenizer: Any, max_seq_len: int) -> RolloutState:
+        """Validate ``batch`` and set up state; the batch itself is never mutated."""
+        logs, task_names = _checked_logs_and_tasks(batch)
+        pad_id = _pad_id(tokenizer)
+        n = len(logs)
+        prompts = [torch.cat([m["token_ids"] for m in log]) if log else _EMPTY for log in logs]
+        _check_prompt_lengths(prompts, max_seq_len)
+        stop_strings = list(batch.get("stop_strings") or [None] * n)
+        _check_stop_strings(stop_strings, n)
+        state = cls(
+            message_logs=[list(log) for log in logs],
+            env_views=[[{"role": m["role"], "content": m["content"]} for m in log] for log in logs],
+            metadata=list(batch.get("extra_env_info") or [None] * n),
+            stop_strings=stop_strings,
+            task_names=task_names,
+            tokens=TokenBuffer(prompts, max_seq_len, pad_id),
+            total_reward=torch.zeros(n, dtype=torch.float32),
+            turn_rewards=[[] for _ in range(n)],
+            turns=torch.zeros(n, dtype=torch.long),
+            gen_tokens=torch.zeros(n, dtype=torch.long),
+            env_tokens=torch.zeros(n, dtype=torch.long),
+            terminated=torch.zeros(n, dtype=torch.bool),
+            truncated=torch.zeros(n, dtype=torch.bool),
+            failed=torch.zeros(n, dtype=torch.bool),
+            errors=[None] * n,
+        )
+        state.truncated |= state.tokens.lengths >= max_seq_len
+        return state
+
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def build_generation_input(state: RolloutState, active: torch.Tensor) -> BatchedDataDict[Any]:
+    """Step 1: the active samples' token rows, stop strings and remaining token budgets."""
+    input_ids, input_lengths = state.tokens.rows(active)
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=input_lengths,
+        stop_strings=[state.stop_strings[i] for i in active.tolist()],
+        max_new_tokens=state.tokens.max_seq_len - input_lengths,
+    )
+
+
+def append_responses(
+    state: RolloutState,
+    active: torch.Tensor,
+    gen_input: BatchedDataDict[Any],
+    output: BatchedDataDict[Any],
+    tokenizer: Any,
+) -> Responses:
+    """Step 2: append each active sample's response to its log and token row."""
+    check_generation_output(output, len(active))
+    responses = split_responses(
+        output, gen_input["input_lengths"], gen_input["max_new_tokens"], tokenizer
+    )
+    for j, i in enumerate(active.tolist()):
+        text = responses.texts[j]
+        message = assistant_message(text, responses.token_ids[j], responses.logprobs[j])
+        state.message_logs[i].append(message)
+        state.env_views[i].append({"role": "assistant", "content": text})
+    state.tokens.append_ragged(active, responses.flat_ids, responses.counts)
+    state.turns.index_add_(0, active, torch.ones_like(active))
+    state.gen_tokens.index_add_(0, active, responses.counts)
+    return responses
+
+
+def record_rewards(state: RolloutState, results: Sequence[GroupResult]) -> None:
+    """Step 4: add each group's rewards to the totals; mark failed groups' samples."""
+    for group in results:
+        if group.result is None:
+            _mark_failed(state, group.indices, group.error or "environment step failed")
+            continue
+        idx = torch.tensor(group.indices, dtype=torch.long)
+        total = _add_reward_components(state, idx, group.result.rewards)
+        state.total_reward.index_add_(0, idx, total)
+        for i, reward in zip(group.indices, total.tolist()):
+            state.turn_rewards[i].append(reward)
+
+
+def append_observations(
+    state: RolloutState,
+    results: Sequence[GroupResult],
+    ended_with_eos: dict[int, bool],
+    tokenizer: Any,
+    renderer: ObservationRenderer | None,
+) -> None:
+    """Step 5: tokenize every observation in one call, cut to fit, append to logs and rows."""
+    items = [
+        (i, group.result.observations[j])
+        for group in results
+        if group.result is not None
+        for j, i in enumerate(group.indices)
+    ]
+    texts = [observation_text(obs, renderer, ended_with_eos[i]) for i, obs in items]
+    lengths = state.tokens.lengths.tolist()
+    kept_rows, kept_ids = [], []
+    for (i, obs), ids in zip(items, tokenize_texts(tokenizer, texts)):
+        kept, truncated = fit_observation(ids, lengths[i], state.tokens.max_seq_len)
+        if truncated:
+            state.truncated[i] = True
+        if not kept:
+            continue
+        content = obs["content"] if len(kept) == len(ids) else tokenizer.decode(kept)
+        message = {"role": obs["role"], "content": content}
+        state.env_views[i].append(dict(message))
+        message["token_ids"] = torch.tensor(kept, dtype=torch.long)
+        state.message_logs[i].append(message)
+        kept_rows.append(i)
+        kept_ids.append(kept)
+    _append_to_rows(state, kept_rows, kept_ids)
+
+
+def update_episode_status(state: RolloutState, results: Sequence[GroupResult]) -> None:
+    """Step 6: take returned metadata (when not None), next stop strings and terminations."""
+    for group in results:
+        if group.result is None:
+            continue
+        ret = group.result
+        for j, i in enumerate(group.indices):
+            if ret.metadata[j] is not None:
+                state.metadata[i] = ret.metadata[j]
+            state.stop_strings[i] = ret.next_stop_strings[j]
+        idx = torch.tensor(group.indices, dtype=torch.long)
+        state.terminated[idx] |= ret.terminateds.bool()
+
+
+def _append_to_rows(state: RolloutState, rows: list[int], token_lists: list[list[int]]) -> None:
+    if not rows:
+        return
+    idx = torch.tensor(rows, dtype=torch.long)
+    counts = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long)
+    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    state.tokens.append_ragged(idx, flat, counts)
+    state.env_tokens.index_add_(0, idx, counts)
+
+
+def _add_reward_components(state: RolloutState, idx: torch.Tensor, rewards: Any) -> torch.Tensor:
+    if not isinstance(rewards, dict):
+        return rewards.detach().to(torch.float32).reshape(-1)
+    total = torch.zeros(len(idx), dtype=torch.float32)
+    for name, value in rewards.items():
+        value = value.detach().to(torch.float32).reshape(-1)
+        if name not in state.components:
+            state.components[name] = torch.zeros(state.size, dtype=torch.float32)
+        state.components[name].index_add_(0, idx, value)
+        total += value
+    return total
+
+
+def _mark_failed(state: RolloutState, indices: list[int], error: str) -> None:
+    for i in indices:
+        state.failed[i] = True
+        state.errors[i] = error
+        state.turn_rewards[i].append(0.0)
+
+
+def _checked_logs_and_tasks(batch: BatchedDataDict[Any]) -> tuple[list[list[dict]], list[str]]:
+    missing = [k for k in ("message_log", "task_name") if k not in batch]
+    if missing:
+        raise ValueError(
+            f"The input batch lacks {missing}; a rollout batch needs 'message_log' and "
+            "'task_name' per sample (see envloop.data.interfaces.DatumSpec)."
+        )
+    logs, task_names = batch["message_log"], batch["task_name"]
+    if len(logs) != len(task_names):
+        raise ValueError(
+            f"The input batch has {len(logs)} message logs but {len(task_names)} task names."
+        )
+    for i, log in enumerate(logs):
+        require_token_ids(log, sample_index=i)
+    return logs, list(task_names)
+
+
+def _pad_id(tokenizer: Any) -> int:
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            f"Tokenizer {type(tokenizer).__name__} has no pad token; set one, e.g. "
+            "tokenizer.pad_token = tokenizer.eos_token."
+        )
+    return int(tokenizer.pad_token_id)
+
+
+def _check_prompt_lengths(prompts: list[torch.Tensor], max_seq_len: int) -> None:
+    too_long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > max_seq_len]
+    if too_long:
+        shown = ", ".join(f"sample {i}: {n} tokens" for i, n in too_long[:5])
+        raise ValueError(
+            f"max_seq_len={max_seq_len} is smaller than {len(too_long)} prompt(s) ({shown}). "
+            "Raise max_seq_len or shorten those prompts."
+        )
+
+
+def _check_stop_strings(stop_strings: list[Any], n: int) -> None:
+    if len(stop_strings) != n:
+        raise ValueError(f"'stop_strings' has {len(stop_strings)} entries for {n} samples.")
+    for i, item in enumerate(stop_strings):
+        if item is not None and not (
+            isinstance(item, list) and all(isinstance(s, str) and s for s in item)
+        ):
+            raise ValueError(
+                f"stop_strings[{i}] is {item!r}; each entry must be None or a list of "
+                "non-empty strings, e.g. ['</call>']."
+            )

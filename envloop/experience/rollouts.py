@@ -1,0 +1,245 @@
+"""The rollout engine: a policy against environments for one or many turns (SPEC §7, §8).
+
+``run_multi_turn_rollout`` runs each turn as the numbered steps of SPEC §7:
+
+1. flatten the active samples' tokens (:func:`build_generation_input`) and generate;
+2. append each response to its log (:func:`append_responses`);
+3. step every task group's environment concurrently (:class:`EnvDispatcher`);
+4. add rewards to the totals (:func:`record_rewards`);
+5. tokenize and append observations, cut to fit (:func:`append_observations`);
+6. update metadata, stop strings and which samples are done (:func:`update_episode_status`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from envloop.data.chat_templates import ObservationRenderer
+from envloop.data.llm_message_utils import get_keys_from_message_log
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.interfaces import EnvironmentReturn
+from envloop.experience.env_dispatch import (
+    EnvDispatcher,
+    EnvironmentStepError,
+    GroupResult,
+    check_tasks_have_envs,
+    group_by_task,
+)
+from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics
+from envloop.experience.rollout_options import RolloutOptions
+from envloop.experience.rollout_state import (
+    RolloutState,
+    append_observations,
+    append_responses,
+    build_generation_input,
+    record_rewards,
+    update_episode_status,
+)
+from envloop.experience.turn_steps import assistant_message, split_responses
+from envloop.models.generation.interfaces import GenerationInterface
+
+__all__ = [
+    "EnvironmentStepError",
+    "calculate_rewards",
+    "generate_responses",
+    "run_multi_turn_rollout",
+]
+
+
+def run_multi_turn_rollout(
+    policy_generation: GenerationInterface,
+    input_batch: BatchedDataDict[Any],
+    tokenizer: Any,
+    task_to_env: dict[str, Any],
+    max_seq_len: int,
+    max_rollout_turns: int = 999999,
+    greedy: bool = False,
+    **options: Any,
+) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    """Run every sample until its environment ends it, it reaches ``max_seq_len``, or
+    ``max_rollout_turns`` turns have passed.
+
+    Args:
+        policy_generation: the policy.
+        input_batch: ``DatumSpec`` columns; ``message_log`` messages carry ``token_ids``.
+        tokenizer: the policy's tokenizer (decodes responses, tokenizes observations).
+        task_to_env: task name -> environment (a Ray actor handle or an in-process object).
+        max_seq_len: no sample ever exceeds this many tokens.
+        max_rollout_turns: turns (generation + environment step) per sample at most.
+        greedy: greedy decoding instead of sampling.
+        **options: see :class:`~envloop.experience.rollout_options.RolloutOptions`
+            (``observation_format``, ``env_step_timeout_s``, ``on_env_error``,
+            ``env_max_retries``).
+
+    Returns:
+        ``(final_batch, metrics)``: the input batch (not mutated) with extended
+        ``message_log``, updated ``extra_env_info`` and ``loss_multiplier``, and
+        ``total_reward`` [B] float32, ``truncated`` / ``terminated`` [B] bool,
+        ``num_turns`` [B] int64, ``turn_rewards`` (per sample, one float per turn),
+        ``env_error`` (per sample, None or the failure text), and ``reward/<name>`` [B]
+        float32 totals for component rewards.
+    """
+    opts = RolloutOptions.from_kwargs(options)
+    _check_limits(max_seq_len, max_rollout_turns)
+    state = RolloutState.start(input_batch, tokenizer, max_seq_len)
+    check_tasks_have_envs(state.task_names, task_to_env)
+    renderer = (
+        ObservationRenderer(tokenizer) if opts.observation_format == "chat_template" else None
+    )
+    dispatcher = EnvDispatcher(
+        task_to_env, opts.env_step_timeout_s, opts.on_env_error, opts.env_max_retries
+    )
+    timer = PhaseTimer()
+    try:
+        for _ in range(max_rollout_turns):
+            active = state.active_indices()
+            if len(active) == 0:
+                break
+            _run_turn(
+                state, active, policy_generation, tokenizer, dispatcher, renderer, greedy, timer
+            )
+    finally:
+        dispatcher.shutdown()
+    max_turns_reached = ~state.done
+    return _final_batch(input_batch, state), rollout_metrics(state, max_turns_reached, timer)
+
+
+def _run_turn(
+    state: RolloutState,
+    active: torch.Tensor,
+    policy: GenerationInterface,
+    tokenizer: Any,
+    dispatcher: EnvDispatcher,
+    renderer: ObservationRenderer | None,
+    greedy: bool,
+    timer: PhaseTimer,
+) -> None:
+    with timer.phase("flatten"):
+        gen_input = build_generation_input(state, active)
+    with timer.phase("generation"):
+        output = policy.generate(gen_input, greedy=greedy)
+    with timer.phase("gen_bookkeeping"):
+        responses = append_responses(state, active, gen_input, output, tokenizer)
+    with timer.phase("env_step"):
+        groups = group_by_task(state.task_names, active.tolist())
+        results = dispatcher.step(groups, state.env_views, state.metadata)
+    with timer.phase("rewards_and_status"):
+        record_rewards(state, results)
+    with timer.phase("obs_tokenization"):
+        ended_with_eos = dict(zip(active.tolist(), responses.ended_with_eos))
+        append_observations(state, results, ended_with_eos, tokenizer, renderer)
+    with timer.phase("rewards_and_status"):
+        update_episode_status(state, results)
+
+
+def generate_responses(
+    policy_generation: GenerationInterface,
+    generation_input_data: BatchedDataDict[Any],
+    batch: BatchedDataDict[Any],
+    tokenizer: Any,
+    input_lengths: torch.Tensor,
+    include_logprobs: bool = True,
+    greedy: bool = False,
+) -> tuple[BatchedDataDict[Any], list[torch.Tensor], dict[str, float | int]]:
+    """Generate one response per sample and append it to ``batch["message_log"]`` in place.
+
+    Returns ``(batch, generated_ids, metrics)``: ``generated_ids`` holds each sample's
+    generated tokens ([n_i] int64); metrics are ``mean_generation_length`` and
+    ``total_generated_tokens``.
+    """
+    output = policy_generation.generate(generation_input_data, greedy=greedy)
+    responses = split_responses(output, input_lengths, None, tokenizer)
+    for i, log in enumerate(batch["message_log"]):
+        logprobs = responses.logprobs[i] if include_logprobs else None
+        log.append(assistant_message(responses.texts[i], responses.token_ids[i], logprobs))
+    total = int(responses.counts.sum())
+    metrics = {
+        "mean_generation_length": total / max(len(responses.texts), 1),
+        "total_generated_tokens": total,
+    }
+    return batch, responses.token_ids, metrics
+
+
+def calculate_rewards(
+    batch: BatchedDataDict[Any], task_to_env: dict[str, Any]
+) -> EnvironmentReturn:
+    """Step each sample's environment once and return the results in batch order.
+
+    Rewards are a [B] tensor when every environment returns a tensor; when any returns
+    components, a dict of every ``reward/<name>`` ([B], 0 where a sample's environment
+    lacks it), with plain rewards under ``reward/scalar``. Errors raise
+    :class:`EnvironmentStepError`.
+    """
+    task_names = list(batch["task_name"])
+    check_tasks_have_envs(task_names, task_to_env)
+    env_logs = [get_keys_from_message_log(log, ("role", "content")) for log in batch["message_log"]]
+    metadata = list(batch.get("extra_env_info") or [None] * len(env_logs))
+    dispatcher = EnvDispatcher(task_to_env, on_error="raise")
+    try:
+        results = dispatcher.step(
+            group_by_task(task_names, list(range(len(env_logs)))), env_logs, metadata
+        )
+    finally:
+        dispatcher.shutdown()
+    return _merge_env_returns(results, len(env_logs))
+
+
+def _merge_env_returns(results: list[GroupResult], n: int) -> EnvironmentReturn:
+    observations: list[Any] = [None] * n
+    metadata: list[Any] = [None] * n
+    stop_strings: list[Any] = [None] * n
+    answers: list[Any] = [None] * n
+    terminateds = torch.zeros(n, dtype=torch.bool)
+    scalar = torch.zeros(n, dtype=torch.float32)
+    components: dict[str, torch.Tensor] = {}
+    for group in results:
+        ret, idx = group.result, group.indices
+        assert ret is not None  # on_error="raise" never leaves a result empty
+        for j, i in enumerate(idx):
+            observations[i], metadata[i] = ret.observations[j], ret.metadata[j]
+            stop_strings[i] = ret.next_stop_strings[j]
+            answers[i] = ret.answers[j] if ret.answers is not None else None
+        terminateds[idx] = ret.terminateds.bool()
+        rewards = ret.rewards if isinstance(ret.rewards, dict) else {"reward/scalar": ret.rewards}
+        for name, value in rewards.items():
+            components.setdefault(name, torch.zeros(n, dtype=torch.float32))[idx] = value.float()
+    merged: Any = components
+    if set(components) <= {"reward/scalar"}:
+        merged = components.get("reward/scalar", scalar)
+    return EnvironmentReturn(observations, metadata, stop_strings, merged, terminateds, answers)
+
+
+def _final_batch(input_batch: BatchedDataDict[Any], state: RolloutState) -> BatchedDataDict[Any]:
+    final = input_batch.copy()
+    final["message_log"] = state.message_logs
+    final["extra_env_info"] = state.metadata
+    final["loss_multiplier"] = _loss_multiplier(input_batch.get("loss_multiplier"), state.failed)
+    final["total_reward"] = state.total_reward
+    final["truncated"] = state.truncated.clone()
+    final["terminated"] = state.terminated.clone()
+    final["num_turns"] = state.turns
+    final["turn_rewards"] = state.turn_rewards
+    final["env_error"] = state.errors
+    for name, totals in state.components.items():
+        final[name] = totals
+    return final
+
+
+def _loss_multiplier(given: Any, failed: torch.Tensor) -> Any:
+    if given is None:
+        return (~failed).float()
+    if isinstance(given, torch.Tensor):
+        return torch.where(failed, torch.zeros_like(given), given)
+    return [0.0 if f else m for m, f in zip(given, failed.tolist())]
+
+
+def _check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
+    problems = []
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        problems.append(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    if not isinstance(max_rollout_turns, int) or max_rollout_turns < 0:
+        problems.append(f"max_rollout_turns must be an int >= 0, got {max_rollout_turns!r}")
+    if problems:
+        raise ValueError("; ".join(problems))

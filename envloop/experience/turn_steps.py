@@ -1,0 +1,125 @@
+"""Per-sample pieces of a turn, shared by the batched and the asynchronous engines.
+
+Each function handles one concern of SPEC §7 for one sample (or for one turn's worth of
+responses split into per-sample pieces), so that any engine can compose them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from envloop.data.chat_templates import ObservationRenderer
+from envloop.distributed.batched_data_dict import BatchedDataDict
+
+
+@dataclass
+class Responses:
+    """One turn's responses for b samples, split per sample.
+
+    Attributes:
+        token_ids: b tensors [n_j] int64, the generated tokens (EOS kept).
+        logprobs: b tensors [n_j] float32.
+        texts: b decoded responses (a final EOS dropped).
+        counts: [b] int64, n_j.
+        flat_ids: [sum n_j] int64, all responses' tokens concatenated.
+        ended_with_eos: b flags, True when the response's last token is EOS.
+    """
+
+    token_ids: list[torch.Tensor]
+    logprobs: list[torch.Tensor]
+    texts: list[str]
+    counts: torch.Tensor
+    flat_ids: torch.Tensor
+    ended_with_eos: list[bool]
+
+
+def split_responses(
+    output: BatchedDataDict[Any],
+    input_lengths: torch.Tensor,
+    budgets: torch.Tensor | None,
+    tokenizer: Any,
+) -> Responses:
+    """Cut each row's generated tokens out of a ``GenerationOutputSpec`` batch.
+
+    A response longer than its budget (a policy that ignored ``max_new_tokens``) is cut to
+    the budget, so no sample ever grows past ``max_seq_len``.
+    """
+    out_ids, logprobs = output["output_ids"], output["logprobs"]
+    counts = output["generation_lengths"].long()
+    if budgets is not None:
+        counts = torch.minimum(counts, budgets)
+    positions = torch.arange(out_ids.shape[1])
+    start = input_lengths.long()[:, None]
+    mask = (positions >= start) & (positions < start + counts[:, None])
+    flat_ids, flat_lp = out_ids[mask].long(), logprobs[mask].float()
+    count_list = counts.tolist()
+    token_lists = _split_list(flat_ids.tolist(), count_list)
+    eos_id = tokenizer.eos_token_id
+    ended = [bool(ids) and ids[-1] == eos_id for ids in token_lists]
+    to_decode = [ids[:-1] if e else ids for ids, e in zip(token_lists, ended)]
+    return Responses(
+        token_ids=[t.clone() for t in torch.split(flat_ids, count_list)],
+        logprobs=[t.clone() for t in torch.split(flat_lp, count_list)],
+        texts=tokenizer.batch_decode(to_decode, skip_special_tokens=False),
+        counts=counts,
+        flat_ids=flat_ids,
+        ended_with_eos=ended,
+    )
+
+
+def check_generation_output(output: Any, num_prompts: int) -> None:
+    """Raise a clear error when a policy's output does not fit ``GenerationOutputSpec``."""
+    missing = [k for k in ("output_ids", "generation_lengths", "logprobs") if k not in output]
+    if missing:
+        raise ValueError(f"The policy's generate() output lacks {missing} (GenerationOutputSpec).")
+    for key in ("output_ids", "generation_lengths", "logprobs"):
+        rows = output[key].shape[0]
+        if rows != num_prompts:
+            raise ValueError(
+                f"The policy's generate() returned {rows} rows of {key!r} for {num_prompts} "
+                "prompts; it must return one row per prompt, in input order."
+            )
+
+
+def assistant_message(text: str, token_ids: torch.Tensor, logprobs: torch.Tensor | None) -> dict:
+    """The message appended to a log for one generated response."""
+    message = {"role": "assistant", "content": text, "token_ids": token_ids}
+    if logprobs is not None:
+        message["generation_logprobs"] = logprobs
+    return message
+
+
+def observation_text(
+    observation: dict[str, str], renderer: ObservationRenderer | None, ended_with_eos: bool
+) -> str:
+    """What gets tokenized for an observation: raw content, or its chat-template rendering."""
+    if renderer is None:
+        return observation["content"]
+    return renderer.render(observation["role"], observation["content"], ended_with_eos)
+
+
+def fit_observation(token_ids: list[int], length: int, max_seq_len: int) -> tuple[list[int], bool]:
+    """The observation tokens that fit after ``length`` tokens, and whether it was truncated.
+
+    A sample is truncated when prompt + response + observation would reach ``max_seq_len``.
+
+    >>> fit_observation([1, 2, 3], length=5, max_seq_len=10)
+    ([1, 2, 3], False)
+    >>> fit_observation([1, 2, 3], length=7, max_seq_len=10)
+    ([1, 2, 3], True)
+    >>> fit_observation([1, 2, 3], length=8, max_seq_len=10)
+    ([1, 2], True)
+    """
+    truncated = length + len(token_ids) >= max_seq_len
+    return token_ids[: max_seq_len - length], truncated
+
+
+def _split_list(flat: list[int], counts: list[int]) -> list[list[int]]:
+    out, offset = [], 0
+    for n in counts:
+        out.append(flat[offset : offset + n])
+        offset += n
+    return out
