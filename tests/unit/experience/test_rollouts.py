@@ -160,7 +160,7 @@ def test_generation_budget_never_exceeds_max_seq_len(tiny_tokenizer):
     policy = ScriptedGeneration(tiny_tokenizer, lambda prompt: "The quick brown fox " * 20)
     batch = make_batch(tiny_tokenizer, [{"task": "echo", "prompt": "go"}])
     max_seq_len = batch["length"][0] + 7
-    final, metrics = run_multi_turn_rollout(
+    final, _ = run_multi_turn_rollout(
         policy, batch, tiny_tokenizer, {"echo": EchoEnv()}, max_seq_len=max_seq_len
     )
     log = final["message_log"][0]
@@ -172,7 +172,7 @@ def test_generation_budget_never_exceeds_max_seq_len(tiny_tokenizer):
 
 def test_prompt_of_exactly_max_seq_len_takes_no_turn(tiny_tokenizer, policy):
     batch = make_batch(tiny_tokenizer, [guess_sample(37)])
-    final, metrics = run_multi_turn_rollout(
+    final, _ = run_multi_turn_rollout(
         policy, batch, tiny_tokenizer, ENVS, max_seq_len=batch["length"][0]
     )
     assert final["num_turns"].tolist() == [0]
@@ -248,7 +248,7 @@ def test_failing_environment_fails_only_its_samples(tiny_tokenizer, policy):
 
 def test_failing_environment_raise_mode(tiny_tokenizer, policy):
     batch = make_batch(tiny_tokenizer, [calc_sample("What is 3 + 4?", 7)])
-    with pytest.raises(EnvironmentStepError, match="env calc.step raised") as info:
+    with pytest.raises(EnvironmentStepError, match=r"env calc\.step raised") as info:
         run_multi_turn_rollout(
             policy, batch, tiny_tokenizer, {"calc": FailingEnv()}, 512, on_env_error="raise"
         )
@@ -296,7 +296,7 @@ def test_bad_inputs_have_clear_errors(tiny_tokenizer, policy):
     floats = batch.copy()
     floats["message_log"] = [[{"role": "user", "content": "hi", "token_ids": torch.ones(3)}]]
     with pytest.raises(
-        ValueError, match="must be a 1-D int64 tensor, got a \\(3,\\) torch.float32"
+        ValueError, match=r"must be a 1-D int64 tensor, got a \(3,\) torch\.float32"
     ):
         run_multi_turn_rollout(policy, floats, tiny_tokenizer, ENVS, 512)
     with pytest.raises(ConfigError) as info:
