@@ -68,11 +68,13 @@ class EnvDispatcher:
         self.on_error = on_error
         self.max_retries = max_retries
         self._pool: ThreadPoolExecutor | None = None
+        self._started: set[str] = set()
 
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
     ) -> list[GroupResult]:
         """Step each group's environment on its samples' logs and metadata, concurrently."""
+        self._wait_until_started(groups)
         pending = {
             task: self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
             for task, idx in groups.items()
@@ -94,6 +96,17 @@ class EnvDispatcher:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+    def _wait_until_started(self, groups: dict[str, list[int]]) -> None:
+        """Wait for new actors' constructors, so start-up never counts against the timeout.
+
+        A constructor that raised surfaces on the group's first step, as that step's error.
+        """
+        new = [t for t in groups if t not in self._started and is_actor(self.task_to_env[t])]
+        if new:
+            refs = [self.task_to_env[t].__ray_ready__.remote() for t in new]
+            ray.wait(refs, num_returns=len(refs))
+        self._started.update(groups)
 
     def _submit(self, task: str, logs: list[list[dict]], metadata: list[Any]) -> Any:
         env = self.task_to_env[task]
