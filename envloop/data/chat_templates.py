@@ -1,4 +1,4 @@
-"""Chat-template rendering and batch tokenization shared by message utilities and rollouts."""
+"""Chat-template rendering shared by the message utilities and the rollout engine."""
 
 from __future__ import annotations
 
@@ -24,13 +24,6 @@ def render_chat(
     return tokenizer.apply_chat_template(
         plain, tokenize=False, add_generation_prompt=add_generation_prompt
     )
-
-
-def tokenize_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text (no special tokens added), in one batched tokenizer call."""
-    if not texts:
-        return []
-    return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
 
 
 class ObservationRenderer:

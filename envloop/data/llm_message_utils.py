@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from envloop.data.chat_templates import render_chat, tokenize_texts
+from envloop.data.chat_templates import render_chat
 from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType
+from envloop.data.tokenization import tokenize_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
 

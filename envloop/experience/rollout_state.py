@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from envloop.data.chat_templates import ObservationRenderer, tokenize_texts
+from envloop.data.chat_templates import ObservationRenderer
 from envloop.data.llm_message_utils import require_token_ids
+from envloop.data.tokenization import tokenize_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import GroupResult
 from envloop.experience.token_buffer import TokenBuffer
@@ -20,6 +21,7 @@ from envloop.experience.turn_steps import (
     check_generation_output,
     fit_observation,
     observation_text,
+    split_owned,
     split_responses,
 )
 
@@ -158,21 +160,28 @@ def append_observations(
     ]
     texts = [observation_text(obs, renderer, ended_with_eos[i]) for i, obs in items]
     lengths = state.tokens.lengths.tolist()
-    kept_rows, kept_ids = [], []
+    kept_items, kept_ids = [], []
     for (i, obs), ids in zip(items, tokenize_texts(tokenizer, texts)):
         kept, truncated = fit_observation(ids, lengths[i], state.tokens.max_seq_len)
         if truncated:
             state.truncated[i] = True
-        if not kept:
-            continue
-        content = obs["content"] if len(kept) == len(ids) else tokenizer.decode(kept)
-        message = {"role": obs["role"], "content": content}
-        state.env_views[i].append(dict(message))
-        message["token_ids"] = torch.tensor(kept, dtype=torch.long)
-        state.message_logs[i].append(message)
-        kept_rows.append(i)
-        kept_ids.append(kept)
-    _append_to_rows(state, kept_rows, kept_ids)
+            obs = {"role": obs["role"], "content": tokenizer.decode(kept)}
+        if kept:
+            kept_items.append((i, obs))
+            kept_ids.append(kept)
+    if not kept_items:
+        return
+    rows = torch.tensor([i for i, _ in kept_items], dtype=torch.long)
+    counts = [len(ids) for ids in kept_ids]
+    flat = torch.tensor(list(itertools.chain.from_iterable(kept_ids)), dtype=torch.long)
+    for (i, obs), token_ids in zip(kept_items, split_owned(flat, counts)):
+        state.env_views[i].append({"role": obs["role"], "content": obs["content"]})
+        state.message_logs[i].append(
+            {"role": obs["role"], "content": obs["content"], "token_ids": token_ids}
+        )
+    count_tensor = torch.tensor(counts, dtype=torch.long)
+    state.tokens.append_ragged(rows, flat, count_tensor)
+    state.env_tokens.index_add_(0, rows, count_tensor)
 
 
 def update_episode_status(state: RolloutState, results: Sequence[GroupResult]) -> None:
@@ -187,16 +196,6 @@ def update_episode_status(state: RolloutState, results: Sequence[GroupResult]) -
             state.stop_strings[i] = ret.next_stop_strings[j]
         idx = torch.tensor(group.indices, dtype=torch.long)
         state.terminated[idx] |= ret.terminateds.bool()
-
-
-def _append_to_rows(state: RolloutState, rows: list[int], token_lists: list[list[int]]) -> None:
-    if not rows:
-        return
-    idx = torch.tensor(rows, dtype=torch.long)
-    counts = torch.tensor([len(ids) for ids in token_lists], dtype=torch.long)
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
-    state.tokens.append_ragged(idx, flat, counts)
-    state.env_tokens.index_add_(0, idx, counts)
 
 
 def _add_reward_components(state: RolloutState, idx: torch.Tensor, rewards: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ one ``index_select`` instead of re-concatenating every message of every sample.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,13 +22,12 @@ class TokenBuffer:
 
     def __init__(self, sequences: list[torch.Tensor], max_seq_len: int, pad_id: int) -> None:
         self.max_seq_len = max_seq_len
-        self.lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-        self.ids = torch.full((len(sequences), max_seq_len), pad_id, dtype=torch.long)
         self.pad_id = pad_id
+        self.ids = torch.full((len(sequences), max_seq_len), pad_id, dtype=torch.long)
+        self.lengths = torch.zeros(len(sequences), dtype=torch.long)
         if sequences:
-            self.append_ragged(
-                torch.arange(len(sequences)), torch.cat(sequences), self.lengths.clone(), start=0
-            )
+            counts = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+            self.append_ragged(torch.arange(len(sequences)), torch.cat(sequences), counts)
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [b, L], input_lengths [b])`` of rows ``indices``; L = longest row."""
@@ -36,22 +36,18 @@ class TokenBuffer:
         return self.ids[:, :width].index_select(0, indices), lengths
 
     def append_ragged(
-        self,
-        indices: torch.Tensor,
-        flat_tokens: torch.Tensor,
-        counts: torch.Tensor,
-        start: int | None = None,
+        self, indices: torch.Tensor, flat_tokens: torch.Tensor, counts: torch.Tensor
     ) -> None:
         """Append ``counts[k]`` tokens of ``flat_tokens`` (in order) to row ``indices[k]``.
 
-        The caller guarantees no row grows past ``max_seq_len``.
+        The caller guarantees no row grows past ``max_seq_len``. (numpy's ``repeat`` does
+        the ragged index arithmetic ~1000x faster than ``torch.repeat_interleave`` here.)
         """
         if len(flat_tokens) == 0:
             return
-        rows = indices.repeat_interleave(counts)
-        offsets = torch.cumsum(counts, 0) - counts
-        within = torch.arange(len(flat_tokens)) - offsets.repeat_interleave(counts)
-        base = self.lengths.index_select(0, indices) if start is None else torch.zeros_like(counts)
-        self.ids[rows, base.repeat_interleave(counts) + within] = flat_tokens
-        if start is None:
-            self.lengths.index_add_(0, indices, counts)
+        rows, n = indices.numpy(), counts.numpy()
+        starts = self.lengths.numpy()[rows]
+        offsets = np.cumsum(n) - n
+        cols = np.repeat(starts - offsets, n) + np.arange(len(flat_tokens))
+        self.ids.numpy()[np.repeat(rows, n), cols] = flat_tokens.numpy()
+        self.lengths.index_add_(0, indices, counts)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from envloop.data.chat_templates import ObservationRenderer
+from envloop.data.tokenization import decode_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -61,9 +62,9 @@ def split_responses(
     ended = [bool(ids) and ids[-1] == eos_id for ids in token_lists]
     to_decode = [ids[:-1] if e else ids for ids, e in zip(token_lists, ended)]
     return Responses(
-        token_ids=[t.clone() for t in torch.split(flat_ids, count_list)],
-        logprobs=[t.clone() for t in torch.split(flat_lp, count_list)],
-        texts=tokenizer.batch_decode(to_decode, skip_special_tokens=False),
+        token_ids=split_owned(flat_ids, count_list),
+        logprobs=split_owned(flat_lp, count_list),
+        texts=decode_texts(tokenizer, to_decode),
         counts=counts,
         flat_ids=flat_ids,
         ended_with_eos=ended,
@@ -115,6 +116,14 @@ def fit_observation(token_ids: list[int], length: int, max_seq_len: int) -> tupl
     """
     truncated = length + len(token_ids) >= max_seq_len
     return token_ids[: max_seq_len - length], truncated
+
+
+def split_owned(flat: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """``flat`` cut into pieces of ``counts``, each with its own storage.
+
+    (A view would drag the whole batch's storage along whenever one message is pickled.)
+    """
+    return [piece.clone() for piece in torch.split(flat, counts)]
 
 
 def _split_list(flat: list[int], counts: list[int]) -> list[list[int]]:

@@ -7,8 +7,9 @@ import re
 import pytest
 import torch
 
-from envloop.data.chat_templates import ObservationRenderer, render_chat, tokenize_texts
+from envloop.data.chat_templates import ObservationRenderer, render_chat
 from envloop.data.llm_message_utils import get_formatted_message_log
+from envloop.data.tokenization import tokenize_texts
 from tests.fixtures.chat_templates import (
     CHATML_STRICT_ROLES_TEMPLATE,
     CHATML_TRIM_TEMPLATE,
