@@ -16,21 +16,21 @@ import argparse
 import ast
 import operator
 import re
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from envloop.data.llm_message_utils import get_formatted_message_log  # noqa: E402
-from envloop.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
-from envloop.distributed.ray_utils import init_ray  # noqa: E402
-from envloop.environments import EnvironmentInterface, EnvironmentReturn  # noqa: E402
-from envloop.environments import create_env, register_env  # noqa: E402
-from envloop.experience.rollouts import run_multi_turn_rollout  # noqa: E402
-from envloop.models.generation.scripted_generation import ScriptedGeneration  # noqa: E402
+from envloop.data.llm_message_utils import get_formatted_message_log
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.ray_utils import init_ray
+from envloop.environments import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    create_env,
+    register_env,
+)
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.scripted_generation import ScriptedGeneration
 
 OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -158,13 +158,12 @@ def main() -> None:
     for message in final["message_log"][0]:
         text = message["content"].replace("\n", " ")
         print(f"  [{message['role']:>11}] {len(message['token_ids']):3d} tokens | {text[:90]}")
-    print(f"\n| sample | question | turns | tool calls | reward |\n|---:|---|---:|---:|---:|")
+    print("\n| sample | question | turns | tool calls | reward |\n|---:|---|---:|---:|---:|")
     for i, log in enumerate(final["message_log"]):
         question = re.search(r"What is (.*?)\?", log[1]["content"]).group(1)
         calls = final["extra_env_info"][i]["tool_calls"]
-        print(
-            f"| {i} | {question} | {int(final['num_turns'][i])} | {calls} | {float(final['total_reward'][i]):.1f} |"
-        )
+        turns, reward = int(final["num_turns"][i]), float(final["total_reward"][i])
+        print(f"| {i} | {question} | {turns} | {calls} | {reward:.1f} |")
     print(f"\nRollout of {len(final['message_log'])} samples in {elapsed:.2f} s")
     for key in ("total_turns", "avg_turns_per_sample", "natural_termination_rate",
                 "truncation_rate", "mean_total_tokens_per_sample", "env_error_rate"):  # fmt: skip
