@@ -135,7 +135,7 @@ def _finished(
     tokenizer: Any,
 ) -> list[bool]:
     """Per active sample, whether its newest token ended it; marks budget stops truncated."""
-    done = [False for i in active]
+    done = [results[i].tokens[-1] in eos_ids for i in active]
     check = [k for k, i in enumerate(active) if stop_strings[i] and not done[k]]
     if check:
         tokens = [results[active[k]].tokens for k in check]

@@ -256,7 +256,7 @@ def _config_problems(cfg: HfGenerationConfig) -> list[str]:
     problems = [
         f"{name}: {getattr(cfg, name)!r} must be {fix}" for name, ok, fix in checks if not ok
     ]
-    if cfg.num_workers != 1 and cfg.device in ("cuda", "auto") and not cfg.worker_num_gpus:
+    if _is_int(cfg.num_workers, 2) and cfg.device in ("cuda", "auto") and not cfg.worker_num_gpus:
         problems.append(
             f"worker_num_gpus: 0 gives the {cfg.num_workers} workers no GPU for device="
             f"{cfg.device!r}; set it (e.g. 1) or use device='cpu'"
@@ -286,7 +286,9 @@ def _resolve_device(device: str) -> torch.device:
 def _load_model(config: HfGenerationConfig, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=_DTYPES[config.dtype])
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        config.model_name, dtype=_DTYPES[config.dtype]
+    )
     return model.to(device).eval()
 
 
@@ -320,13 +322,23 @@ def _eos_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
 
 
 def _start_workers(config: HfGenerationConfig) -> list[Any]:
-    """``num_workers`` Ray actors, each an in-process HfGeneration seeded ``seed + rank``."""
+    """``num_workers`` Ray actors, each an in-process HfGeneration seeded ``seed + rank``.
+
+    Returns once every actor has loaded its model, so a loading error surfaces here.
+    """
     import ray
 
-    actor_class = ray.remote(num_cpus=config.worker_num_cpus, num_gpus=config.worker_num_gpus)(
+    actor_class: Any = ray.remote(num_cpus=config.worker_num_cpus, num_gpus=config.worker_num_gpus)(
         HfGeneration
     )
-    return [
+    workers = [
         actor_class.remote(dataclasses.replace(config, num_workers=1, seed=config.seed + rank))
         for rank in range(config.num_workers)
     ]
+    try:
+        ray.get([worker.prepare_for_generation.remote() for worker in workers])
+    except Exception:
+        for worker in workers:
+            ray.kill(worker)
+        raise
+    return workers
