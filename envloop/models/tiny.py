@@ -22,7 +22,7 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
-_CORPUS = [
+TRAINING_CORPUS = [
     "What is 2 + 3? The answer is 5.",
     "Use the calculator: <call>12 * 7</call> <result>84</result>",
     "Guess the number between 1 and 100. <guess>50</guess> higher lower correct",
@@ -47,7 +47,7 @@ def build_tiny_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    backend.train_from_iterator(TRAINING_CORPUS * 4, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",
