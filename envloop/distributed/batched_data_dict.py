@@ -13,7 +13,7 @@ DictT = TypeVar("DictT", bound=Mapping[str, Any])
 _SUPPORTED = "a list or a torch.Tensor"
 
 
-class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
+class BatchedDataDict(dict, Generic[DictT]):
     """A ``dict`` of ``key -> list | Tensor`` whose values share the leading (batch) dimension.
 
     The type parameter names the TypedDict describing the columns, e.g.
@@ -63,7 +63,7 @@ class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
         else:
             index_list = list(indices)
             index_tensor = torch.as_tensor(index_list, dtype=torch.long)
-        out = type(self)()
+        out: BatchedDataDict[DictT] = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 # Advanced indexing (not index_select) so negative indices mean what they
@@ -77,7 +77,7 @@ class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
 
     def slice(self, start: int, end: int) -> BatchedDataDict[DictT]:
         """Rows ``start:end`` (views of tensors, new lists)."""
-        out = type(self)()
+        out: BatchedDataDict[DictT] = type(self)()
         for key, value in self.items():
             _batch_len(key, value)
             out[key] = value[start:end]
@@ -90,7 +90,7 @@ class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
         """
         if num_repeats < 1:
             raise ValueError(f"repeat_interleave needs num_repeats >= 1, got {num_repeats}.")
-        out = type(self)()
+        out: BatchedDataDict[DictT] = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
@@ -156,7 +156,7 @@ class BatchedDataDict(dict, Generic[DictT]):  # type: ignore[type-arg]
             sizes = {key: _batch_len(key, batch[key]) for key in keys}
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"from_batches: batch {i} has mismatched column sizes {sizes}.")
-        out = cls()
+        out: BatchedDataDict[Any] = cls()
         for key in keys:
             out[key] = _concat_column(
                 key, [batch[key] for batch in batches], pad_values.get(key, 0)

@@ -9,6 +9,7 @@ them goes through the real ``from_pretrained`` loading path.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -58,7 +59,7 @@ def build_tiny_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0) -> torch.nn.Module:
+def build_tiny_model(vocab_size: int, seed: int = 0) -> Any:
     """A 2-layer Qwen3 causal LM with hidden size 64 (random weights, deterministic)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -75,8 +76,8 @@ def build_tiny_model(vocab_size: int, seed: int = 0) -> torch.nn.Module:
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
-    # Random init with std 0.02 gives a near-uniform next-token distribution; sharpen the
-    # (tied) embeddings so the top token has probability ~0.5: greedy and sampling differ.
+    # Random init with std 0.02 gives a near-uniform next-token distribution; scaling the
+    # (tied) embeddings makes it peaked, so sampled and greedy outputs are not pure noise.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(5.0)
     return model.eval()
