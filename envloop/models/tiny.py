@@ -75,7 +75,7 @@ def build_tiny_model(vocab_size: int, seed: int = 0) -> Any:
         tie_word_embeddings=True,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model: Any = Qwen3ForCausalLM(config)
     # Random init with std 0.02 gives a near-uniform next-token distribution; scaling the
     # (tied) embeddings makes it peaked, so sampled and greedy outputs are not pure noise.
     with torch.no_grad():
