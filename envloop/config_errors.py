@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
 
 
 class ConfigError(ValueError):
@@ -31,3 +33,28 @@ def unknown_keys(given: Iterable[str], known: Iterable[str]) -> list[str]:
         hint = f" Did you mean {close[0]!r}?" if close else f" Known: {', '.join(known)}."
         problems.append(f"{key}: unknown option.{hint}")
     return problems
+
+
+ConfigT = TypeVar("ConfigT")
+
+
+def config_from_mapping(cls: type[ConfigT], options: Mapping[str, Any], what: str) -> ConfigT:
+    """Build dataclass ``cls`` from ``options``, reporting unknown keys, missing required
+    fields and bad values (from the dataclass's own validation) in one :class:`ConfigError`.
+    """
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    missing = [f"{f.name}: required" for f in fields if _required(f) and f.name not in options]
+    problems = unknown_keys(options, [f.name for f in fields]) + missing
+    built = None
+    if not missing:
+        try:
+            built = cls(**{f.name: options[f.name] for f in fields if f.name in options})
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems or built is None:
+        raise ConfigError(what, problems)
+    return built
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from envloop.config_errors import ConfigError, unknown_keys
+from envloop.config_errors import ConfigError, config_from_mapping
 
 ObservationFormat = Literal["raw", "chat_template"]
 OnEnvError = Literal["record", "raise"]
@@ -48,12 +48,4 @@ class RolloutOptions:
     @classmethod
     def from_kwargs(cls, options: dict[str, Any]) -> RolloutOptions:
         """Build from keyword options, rejecting unknown names together with bad values."""
-        known = [f.name for f in fields(cls)]
-        problems = unknown_keys(options, known)
-        try:
-            built = cls(**{k: v for k, v in options.items() if k in known})
-        except ConfigError as exc:
-            problems += exc.problems
-        if problems:
-            raise ConfigError("rollout options", problems)
-        return built
+        return config_from_mapping(cls, options, "rollout options")

@@ -9,12 +9,12 @@ of the model.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from envloop.config_errors import ConfigError, unknown_keys
+from envloop.config_errors import ConfigError, config_from_mapping
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
 from envloop.models.generation.generation_batches import (
@@ -84,17 +84,7 @@ class HfGenerationConfig:
     @classmethod
     def from_dict(cls, options: dict[str, Any]) -> HfGenerationConfig:
         """Build from a plain dict, reporting unknown keys together with bad values."""
-        known = [f.name for f in fields(cls)]
-        problems = unknown_keys(options, known)
-        if "model_name" not in options:
-            problems.append("model_name: required (a local folder or hub id)")
-        try:
-            built = cls(**{k: v for k, v in options.items() if k in known})
-        except (ConfigError, TypeError) as exc:
-            problems += getattr(exc, "problems", [])
-        if problems:
-            raise ConfigError("HfGenerationConfig", problems)
-        return built
+        return config_from_mapping(cls, options, "HfGenerationConfig")
 
 
 class HfGeneration(GenerationInterface):
