@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.chat_templates import build_llama3_tokenizer
 from tests.fixtures.tiny_models import build_tiny_tokenizer, save_tiny_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +24,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 def tiny_tokenizer():
     """Byte-level BPE tokenizer, ChatML template; EOS ``<|im_end|>``, pad ``<|endoftext|>``."""
     return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    """Llama-3-style headers, BOS rendered by the template, EOS ``<|eot_id|>``."""
+    return build_llama3_tokenizer()
+
+
+@pytest.fixture(params=["chatml", "llama3"])
+def chat_tokenizer(request, tiny_tokenizer, llama3_tokenizer):
+    """Each of the ChatML and Llama-3-style tokenizers in turn."""
+    return {"chatml": tiny_tokenizer, "llama3": llama3_tokenizer}[request.param]
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from tests.fixtures.chat_templates import (
     CHATML_TRIM_TEMPLATE,
     PLAIN_TEMPLATE,
     build_chatml_tokenizer,
-    build_llama3_tokenizer,
     chat_template_ids,
 )
 
@@ -23,17 +22,6 @@ PROMPT = [
     {"role": "system", "content": "Use the calculator."},
     {"role": "user", "content": "What is 12 * 7?"},
 ]
-
-
-@pytest.fixture(scope="module")
-def llama3_tokenizer():
-    """Llama-3-style headers, BOS rendered by the template, EOS ``<|eot_id|>``."""
-    return build_llama3_tokenizer()
-
-
-@pytest.fixture(params=["chatml", "llama3"])
-def chat_tokenizer(request, tiny_tokenizer, llama3_tokenizer):
-    return {"chatml": tiny_tokenizer, "llama3": llama3_tokenizer}[request.param]
 
 
 class Rollout:

@@ -319,17 +319,6 @@ def test_loss_mask_with_no_roles_masks_everything():
 # --- get_formatted_message_log ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def llama3_tokenizer():
-    """Llama-3-style headers, BOS rendered by the template, EOS ``<|eot_id|>``."""
-    return build_llama3_tokenizer()
-
-
-@pytest.fixture(params=["chatml", "llama3"])
-def chat_tokenizer(request, tiny_tokenizer, llama3_tokenizer):
-    return {"chatml": tiny_tokenizer, "llama3": llama3_tokenizer}[request.param]
-
-
 CONVERSATIONS = {
     "user": [{"role": "user", "content": "What is 2 + 3?"}],
     "system-user": [
