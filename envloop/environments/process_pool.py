@@ -79,7 +79,7 @@ class HardTimeoutPool:
 
     def _collect(self, busy: dict[int, tuple[int, float]], outcomes: list[Outcome | None]) -> None:
         now = time.monotonic()
-        conns = {self._workers[slot].conn: slot for slot in busy}
+        conns: dict[Any, int] = {self._workers[slot].conn: slot for slot in busy}
         timeout = max(0.0, min(deadline for _, deadline in busy.values()) - now)
         for conn in wait(list(conns), timeout=timeout):
             slot = conns[conn]

@@ -33,8 +33,8 @@ class WorkerPool:
             raise ValueError(f"WorkerPool needs num_workers >= 1, got {num_workers}.")
         self.remote = ray.is_initialized()
         if self.remote:
-            actor_cls = ray.remote(worker_cls).options(**(ray_options or {}))
-            self.workers = [actor_cls.remote(*args) for _ in range(num_workers)]
+            actor_cls: Any = ray.remote(worker_cls).options(**(ray_options or {}))
+            self.workers: list[Any] = [actor_cls.remote(*args) for _ in range(num_workers)]
         else:
             self.workers = [worker_cls(*args)]
 
