@@ -59,7 +59,7 @@ def _post_process_problems(
 ) -> list[str]:
     rewards = ret.rewards
     total = sum(rewards.values()) if isinstance(rewards, dict) else rewards
-    batch = BatchedDataDict(
+    batch: BatchedDataDict[Any] = BatchedDataDict(
         message_log=[[*log, obs] for log, obs in zip(logs, ret.observations)],
         extra_env_info=[
             new if new is not None else old for new, old in zip(ret.metadata, metadata)
