@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -58,3 +60,54 @@ def config_from_mapping(cls: type[ConfigT], options: Mapping[str, Any], what: st
 
 def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[str]:
+    """Problems of ``config`` against TypedDict ``spec``: not a mapping, unknown keys (with a
+    close match), missing required keys, and values of the wrong type (for plain classes,
+    ``X | None``, ``list[...]`` and ``dict[...]`` annotations; others are not checked).
+
+    >>> from typing import TypedDict
+    >>> class Cfg(TypedDict):
+    ...     num_workers: int
+    ...     stop_strings: list[str] | None
+    >>> for problem in typed_dict_problems({"num_worker": 2, "stop_strings": "x"}, Cfg):
+    ...     print(problem)
+    num_worker: unknown option. Did you mean 'num_workers'?
+    num_workers: required
+    stop_strings: expected list | None, got str ('x')
+    """
+    if not isinstance(config, Mapping):
+        return [f"{what}: expected a dict, got {type(config).__name__}"]
+    hints = typing.get_type_hints(spec)
+    required = getattr(spec, "__required_keys__", frozenset(hints))
+    problems = unknown_keys(config, hints)
+    problems += [f"{key}: required" for key in hints if key in required and key not in config]
+    for key, value in config.items():
+        if key in hints and not _matches(value, hints[key]):
+            got = f"{type(value).__name__} ({value!r:.40})"
+            problems.append(f"{key}: expected {_describe(hints[key])}, got {got}")
+    return problems
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    target = origin or annotation
+    return not isinstance(target, type) or isinstance(value, target)
+
+
+def _describe(annotation: Any) -> str:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "None"
+    target = typing.get_origin(annotation) or annotation
+    return getattr(target, "__name__", str(target))
