@@ -1,0 +1,196 @@
+"""N x N sliding puzzle: the model slides tiles until they read 1 .. N*N-1 with the blank last.
+
+One move per reply, inside ``<action>...</action>``:
+
+- ``up`` / ``down`` / ``left`` / ``right`` name the direction the TILE moves into the blank
+  (so the blank moves the opposite way): ``up`` slides the tile below the blank up.
+- ``slide R C`` slides the tile at row R, column C (1-based, top-left is ``slide 1 1``)
+  into the blank, which must be next to it.
+
+The environment is stateless: each episode lives in its sample's metadata
+(:class:`SlidingPuzzleMetadata`), so a restarted Ray actor loses nothing. Every reply counts
+as a move, including a missing, malformed or illegal action: the observation explains what
+was wrong and shows the unchanged board. A move's reward is ``reward_on_solve`` if it solves
+the puzzle, else 0, minus ``move_penalty``; the episode ends when solved or after
+``max_moves`` moves. Boards are scrambled from the solved one by random legal moves drawn
+from a seeded generator, so they are solvable and the same seed gives the same board.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+import torch
+
+from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.answer_extraction import extract_tag
+from envloop.environments.games.sliding_puzzle_board import (
+    generate,
+    is_solved,
+    play,
+    render,
+)
+from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+
+STOP_STRINGS = ["</action>"]
+
+
+class SlidingPuzzleMetadata(TypedDict):
+    """One episode's whole state."""
+
+    board: list[list[int]]  # [N][N] tiles row by row, 0 for the blank
+    size: int  # N
+    moves_made: int  # replies so far; each counts as a move, legal or not
+    invalid_moves: int  # replies whose action was missing, malformed or illegal
+    max_moves: int  # the episode ends after this many moves
+    seed: int  # the seed the board was scrambled from
+
+
+def new_episode_metadata(
+    seed: int, size: int = 3, shuffle_moves: int = 10, max_moves: int = 40
+) -> SlidingPuzzleMetadata:
+    """A fresh episode: ``generate(size, shuffle_moves, seed)`` with no moves made."""
+    if max_moves < 1:
+        raise ValueError(f"new_episode_metadata: max_moves must be >= 1, got {max_moves}")
+    board = [list(row) for row in generate(size, shuffle_moves, seed)]
+    return SlidingPuzzleMetadata(
+        board=board, size=size, moves_made=0, invalid_moves=0, max_moves=max_moves, seed=seed
+    )
+
+
+def initial_prompt(metadata: SlidingPuzzleMetadata) -> str:
+    """The first user message of an episode: the rules, the move limit and the board."""
+    n = metadata["size"]
+    return (
+        f"Solve this {n}x{n} sliding puzzle: order the tiles 1 to {n * n - 1} row by row "
+        "with the blank (_) in the bottom-right corner. Reply with one move per turn inside "
+        "<action></action>: up, down, left or right slides the tile next to the blank in "
+        "that direction into the blank (up moves the tile below the blank), and slide R C "
+        "slides the tile at row R, column C (counted from 1) into the blank. "
+        f"You have {metadata['max_moves']} moves.\n{render(metadata['board'])}"
+    )
+
+
+class SlidingPuzzleConfig(TypedDict, total=False):
+    """Options of :class:`SlidingPuzzleEnv`; every field is optional."""
+
+    default_size: int  # N of episodes from SlidingPuzzleEnv.new_episode_metadata (3)
+    default_shuffle_moves: int  # scramble length of those episodes, >= 1 (10)
+    default_max_moves: int  # move limit of those episodes, >= 1 (40)
+    reward_on_solve: float  # reward of the move that solves the puzzle (1.0)
+    move_penalty: float  # subtracted from every move's reward, >= 0 (0.0)
+
+
+DEFAULT_CONFIG = SlidingPuzzleConfig(
+    default_size=3, default_shuffle_moves=10, default_max_moves=40, reward_on_solve=1.0,
+    move_penalty=0.0,
+)  # fmt: skip
+_MINIMUM = {
+    "default_size": 2,
+    "default_shuffle_moves": 1,
+    "default_max_moves": 1,
+    "move_penalty": 0,
+}
+
+
+def _config_problems(config: Any) -> list[str]:
+    problems = typed_dict_problems(config, SlidingPuzzleConfig, "sliding_puzzle config")
+    values = config if isinstance(config, Mapping) else {}
+    return problems + [
+        f"{key}: must be >= {low}, got {values[key]!r}"
+        for key, low in _MINIMUM.items()
+        if isinstance(values.get(key), (int, float)) and values[key] < low
+    ]
+
+
+def _metadata_problems(md: Any) -> list[str]:
+    problems = typed_dict_problems(md, SlidingPuzzleMetadata, "metadata")
+    if not problems:
+        n, rows = md["size"], md["board"]
+        square = len(rows) == n and all(isinstance(r, list) and len(r) == n for r in rows)
+        if not square or sorted(t for r in rows for t in r) != list(range(n * n)):
+            problems.append(f"board: expected {n} lists of {n} tiles holding 0..{n * n - 1}")
+    return problems
+
+
+def _count(moves: int) -> str:
+    return f"{moves} move{'s' * (moves != 1)}"
+
+
+class SlidingPuzzleEnv(EnvironmentInterface):
+    """Plays one move per sample per ``step``; see the module docstring for the rules."""
+
+    def __init__(self, config: SlidingPuzzleConfig | None = None) -> None:
+        problems = _config_problems({} if config is None else config)
+        if problems:
+            raise ConfigError("sliding_puzzle config", problems)
+        self.config = SlidingPuzzleConfig(**{**DEFAULT_CONFIG, **(config or {})})
+
+    def new_episode_metadata(self, seed: int) -> SlidingPuzzleMetadata:
+        """A fresh episode with this config's default size, scramble length and move limit."""
+        c = self.config
+        return new_episode_metadata(
+            seed, c["default_size"], c["default_shuffle_moves"], c["default_max_moves"]
+        )
+
+    def step(
+        self, message_log_batch: list[Any], metadata: list[Any], *args: Any, **kwargs: Any
+    ) -> EnvironmentReturn:
+        """Play each sample's last reply on its board. Rewards [B] float, terminateds [B] bool;
+        ``answers`` holds each reply's action text (None when absent). Raises ConfigError only
+        for metadata not made by :func:`new_episode_metadata` (a dataset bug)."""
+        plays = [self._play(log, md) for log, md in zip(message_log_batch, metadata)]
+        return EnvironmentReturn(
+            observations=[{"role": "user", "content": p[0]} for p in plays],
+            metadata=[p[1] for p in plays],
+            next_stop_strings=[list(STOP_STRINGS) for _ in plays],
+            rewards=torch.tensor([p[2] for p in plays], dtype=torch.float32),
+            terminateds=torch.tensor([p[3] for p in plays], dtype=torch.bool),
+            answers=[p[4] for p in plays],
+        )
+
+    def _play(
+        self, log: list[Any], md: Any
+    ) -> tuple[str, SlidingPuzzleMetadata, float, bool, str | None]:
+        problems = _metadata_problems(md)
+        if problems:
+            raise ConfigError(
+                "sliding_puzzle episode metadata (use new_episode_metadata)", problems
+            )
+        action = extract_tag(log[-1]["content"], "action") if log else None
+        board, status, invalid = play(tuple(map(tuple, md["board"])), action)
+        moves = md["moves_made"] + 1
+        new_md = SlidingPuzzleMetadata(
+            board=[list(row) for row in board], size=md["size"], moves_made=moves,
+            invalid_moves=md["invalid_moves"] + invalid, max_moves=md["max_moves"], seed=md["seed"],
+        )  # fmt: skip
+        solved, left = is_solved(board), md["max_moves"] - moves
+        if solved:
+            status += f" Solved in {_count(moves)}!"
+        elif left <= 0:
+            status += f" Move limit of {md['max_moves']} reached; the puzzle is unsolved."
+        else:
+            status += f" {_count(left)} left."
+        done = solved or left <= 0
+        reward = (self.config["reward_on_solve"] if solved else 0.0) - self.config["move_penalty"]
+        return f"{status}\n{render(board, show_moves=not done)}", new_md, reward, done, action
+
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        """Metrics over the batch's final episode states (``extra_env_info``)."""
+        episodes = [md for md in batch["extra_env_info"] if md is not None]
+        count, moves = max(len(episodes), 1), sum(md["moves_made"] for md in episodes)
+        solved = [is_solved(md["board"]) for md in episodes]
+        limit = [not s and md["moves_made"] >= md["max_moves"] for s, md in zip(solved, episodes)]
+        return batch, {
+            "sliding_puzzle_env/num_episodes": len(episodes),
+            "sliding_puzzle_env/solve_rate": sum(solved) / count,
+            "sliding_puzzle_env/mean_moves": moves / count,
+            "sliding_puzzle_env/invalid_move_rate": (
+                sum(md["invalid_moves"] for md in episodes) / max(moves, 1)
+            ),
+            "sliding_puzzle_env/move_limit_rate": sum(limit) / count,
+        }
