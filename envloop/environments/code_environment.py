@@ -1,0 +1,188 @@
+"""``code``: the model runs Python in ``<code>...</code>``; tests in the metadata score the episode.
+
+Each turn the last ``<code>...</code>`` block of the response runs in a sandbox
+(:mod:`envloop.environments.code_sandbox`: its own process, time/CPU/memory/output limits, no
+network, no host files; read its threat model) and the reply is ``<result>\\n...</result>``:
+what the code printed (stdout and stderr), the repr of its final expression's value when not
+None (as in a notebook), then the error as the traceback's last line(s) or why the run was
+stopped. Generation stops after ``</code>`` (``stop_strings``).
+
+State persists by replay: ``metadata["cells"]`` lists the episode's cells and every turn
+re-runs them, quietly, in a fresh sandbox before the new one. This keeps the environment
+stateless (a restarted Ray actor, or another one, continues any episode; nothing to clean
+up) and honest (the state is exactly what the listed cells produce). The cost: turn T
+re-executes T - 1 cells (quadratic in the turns; the time limits cover the replay), side
+effects such as file writes repeat, and time-dependent values can differ (``random`` and
+string hashing are seeded, so those repeat). A cell that raised stays in the list (it raises
+again on replay, keeping what it did before the error, as in a notebook); a cell that was
+stopped (a limit, a crash) is dropped, as a notebook kernel would have died.
+
+The episode ends when a response holds no complete ``<code>`` block (the model's "done"), or
+after the code of turn ``max_turns`` (``metadata["max_turns"]``, else the config's). Then the
+tests run on the episode's state: ``metadata["tests"]`` is a list of Python statements,
+usually ``assert`` lines, and the reward is the fraction that raise nothing (0 with no tests
+or no cells; other turns get 0). A first response without code thus gets reward 0 and an
+observation that explains the format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, TypedDict
+
+import torch
+
+from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.data.interfaces import LLMMessageLogType
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.answer_extraction import extract_tag
+from envloop.environments.code_sandbox import SandboxLimits, run_cells
+from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+
+_NO_CODE = "No complete <code>...</code> block in the response, so the episode ends"
+
+
+class CodeEnvConfig(TypedDict, total=False):
+    """Options of :class:`CodeEnvironment`; every key is optional (defaults in brackets)."""
+
+    num_workers: int  # sandboxes running at once, each its own process [4]
+    timeout_s: float  # wall-clock limit of one run, replay included [10.0]
+    cpu_time_s: int  # CPU seconds of one run [10]
+    memory_mb: int  # address-space limit of the sandbox process [1024]
+    max_output_bytes: int  # output kept per turn; more stops the run [16384]
+    max_processes: int  # processes of the sandbox user; 1 also blocks fork/subprocess [1]
+    disk_mb: int  # largest file, and the size of the working directory's tmpfs [64]
+    max_open_files: int  # open files of the sandbox process [64]
+    sandbox_user: str  # unprivileged user the code runs as when we are root ["nobody"]
+    max_turns: int  # code turns per episode unless metadata["max_turns"] says otherwise [8]
+    stop_strings: list[str]  # where generation stops for the next turn [["</code>"]]
+
+
+class CodeEnvMetadata(TypedDict, total=False):
+    """Per-sample metadata: ``tests`` and ``max_turns`` from the data; the rest kept here."""
+
+    tests: list[str]  # Python statements run on the final state; reward = fraction passed
+    max_turns: int  # overrides the config's max_turns for this sample
+    cells: list[str]  # the episode's cells so far (replayed each turn)
+    turns: int  # code turns taken so far
+
+
+class _Turn(NamedTuple):
+    observation: dict[str, str]
+    metadata: CodeEnvMetadata
+    reward: float
+    done: bool
+    code: str | None
+
+
+class CodeEnvironment(EnvironmentInterface):
+    """Runs each response's code in a sandbox and scores finished episodes by their tests."""
+
+    def __init__(self, cfg: CodeEnvConfig | None = None) -> None:
+        options, self.limits = _validated(cfg)
+        self.max_turns: int = options["max_turns"]
+        self.stop_strings: list[str] = list(options["stop_strings"])
+        self._pool = ThreadPoolExecutor(options["num_workers"], thread_name_prefix="code_env")
+
+    def step(
+        self,
+        message_log_batch: list[LLMMessageLogType],
+        metadata: list[CodeEnvMetadata | None],
+        *args: Any,
+        **kwargs: Any,
+    ) -> EnvironmentReturn:
+        """One turn per sample; the B sandboxes run ``num_workers`` at a time."""
+        responses = [str(log[-1]["content"]) for log in message_log_batch]
+        turns = list(self._pool.map(self._turn, responses, metadata))
+        return EnvironmentReturn(
+            observations=[t.observation for t in turns],
+            metadata=[t.metadata for t in turns],
+            next_stop_strings=[None if t.done else list(self.stop_strings) for t in turns],
+            rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
+            terminateds=torch.tensor([t.done for t in turns], dtype=torch.bool),
+            answers=[t.code for t in turns],
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+        """Metrics: mean reward, rate of episodes passing every test, mean code turns."""
+        rewards = torch.as_tensor(batch["total_reward"], dtype=torch.float32)
+        turns = [(md or {}).get("turns", 0) for md in batch.get("extra_env_info") or []]
+        n = max(len(rewards), 1)
+        return batch, {
+            "code_env/mean_reward": float(rewards.sum()) / n,
+            "code_env/all_tests_passed_rate": float((rewards == 1.0).sum()) / n,
+            "code_env/mean_code_turns": sum(turns) / max(len(turns), 1),
+        }
+
+    def shutdown(self) -> None:
+        """Wait for running sandboxes and stop the thread pool."""
+        self._pool.shutdown(wait=True)
+
+    def _turn(self, response: str, metadata: CodeEnvMetadata | None) -> _Turn:
+        md: CodeEnvMetadata = {**(metadata or {})}
+        code, cells = extract_tag(response, "code"), list(md.get("cells", []))
+        if code is None:
+            reward, score = self._score(cells, _tests(md))
+            if not cells:
+                text = f"{_NO_CODE} with reward 0. Write Python between <code> and </code>."
+            else:
+                text = f"{_NO_CODE}: {score}."
+            return _Turn({"role": "environment", "content": text}, md, reward, True, None)
+        result = run_cells([*cells, code], (), self.limits)
+        md["cells"] = [*cells, code][: result.cells_finished]
+        md["turns"] = md.get("turns", 0) + 1
+        content = f"<result>\n{result.report()}</result>"
+        if md["turns"] < md.get("max_turns", self.max_turns):
+            return _Turn({"role": "tool", "content": content}, md, 0.0, False, code)
+        reward, score = self._score(md["cells"], _tests(md))
+        content += f"\nTurn limit reached, so the episode ends: {score}."
+        return _Turn({"role": "tool", "content": content}, md, reward, True, code)
+
+    def _score(self, cells: list[str], tests: list[str]) -> tuple[float, str]:
+        """The reward (fraction of tests passed on the cells' state) and its description."""
+        if not tests:
+            return 0.0, "no tests to score (reward 0)"
+        passed = run_cells(cells, tests, self.limits).tests_passed if cells else 0
+        return passed / len(tests), f"{passed}/{len(tests)} tests passed"
+
+
+def _tests(md: CodeEnvMetadata) -> list[str]:
+    tests = md.get("tests") or []
+    if not (isinstance(tests, list) and all(isinstance(t, str) for t in tests)):
+        raise ValueError(
+            f"metadata['tests'] must be a list of Python statements (str), got {tests!r:.80}"
+        )
+    return tests
+
+
+_DEFAULTS: dict[str, Any] = {
+    **dataclasses.asdict(SandboxLimits()),
+    "num_workers": 4,
+    "max_turns": 8,
+    "stop_strings": ["</code>"],
+}
+
+
+def _validated(cfg: CodeEnvConfig | None) -> tuple[dict[str, Any], SandboxLimits]:
+    """The config with defaults filled in, and its sandbox limits; one ConfigError listing
+    every bad key otherwise."""
+    given: Any = {} if cfg is None else cfg
+    problems = typed_dict_problems(given, CodeEnvConfig, "CodeEnvConfig")
+    if not isinstance(given, dict):
+        raise ConfigError("CodeEnvConfig", problems)
+    bad = {p.split(":")[0] for p in problems}
+    options = {**_DEFAULTS, **{k: v for k, v in given.items() if k in _DEFAULTS and k not in bad}}
+    limit_names = {f.name for f in dataclasses.fields(SandboxLimits)}
+    limits = SandboxLimits(**{k: v for k, v in options.items() if k in limit_names})
+    problems += limits.problems()
+    problems += [f"{k}: must be >= 1, got {options[k]}" for k in ("num_workers", "max_turns")
+                 if options[k] < 1]  # fmt: skip
+    stops = options["stop_strings"]
+    if not stops or not all(isinstance(s, str) and s for s in stops):
+        problems.append(f"stop_strings: must be a non-empty list of non-empty strings, got {stops}")
+    if problems:
+        raise ConfigError("CodeEnvConfig", problems)
+    return options, limits

@@ -1,0 +1,287 @@
+"""Run untrusted Python in a separate, locked-down process: the ``code`` environment's executor.
+
+:func:`run_cells` starts ``code_sandbox_child.py`` as a script (``python -S -s -B -P``) with
+an empty environment (only ``PATH``, ``LANG``, ``PYTHONHASHSEED``), sends it the cells and
+tests on stdin, and reads at most ``max_output_bytes`` of output until a wall-clock deadline;
+then it kills the child's whole process group. Before running any untrusted code the child
+applies these layers, strongest first (each run reports the ones in force in
+``RunResult.protections``):
+
+* ``netns``, ``chroot`` (parent is root, kernel allows ``unshare``): a private network
+  namespace (only a downed loopback: no network at all) and a private mount namespace whose
+  root is a fresh size-capped tmpfs holding only ``/work`` (the working directory, noexec),
+  read-only binds of the Python standard library and the system library directories, and
+  ``/dev/null`` and ``/dev/urandom``. The host's files, ``/etc`` and ``/proc`` do not exist
+  in there. Everything vanishes when the last sandbox process exits.
+* ``uid=N`` (parent is root): the code runs as ``sandbox_user`` (default ``nobody``) with no
+  supplementary groups, so it holds no capabilities (it cannot leave the chroot, mount, or
+  change its limits) and ``RLIMIT_NPROC`` applies. The limit counts every process and thread
+  of that user, so sandboxes running at once share it.
+* ``no_new_privs``: no program it might exec can gain privileges (setuid binaries).
+* ``rlimits``: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``, so big allocations
+  raise ``MemoryError``), file size, open files, processes, no core dumps.
+* ``audit_hook`` (``sys.addaudithook``): refuses sockets, ctypes, signalling other processes,
+  and (with ``max_processes == 1``) fork/exec/subprocess; reading files outside the working
+  directory and the standard library, and writing outside the working directory.
+
+The state of a run: cells run in order in one namespace; only the last cell's output is
+returned (earlier cells are replays). ``random`` is seeded with 0 and string hashing with
+``PYTHONHASHSEED=0`` so replays draw the same values. Tests (statements, usually ``assert``)
+run after the cells; each passes when it raises nothing.
+
+Threat model, honestly:
+
+* Contained: runaway loops, CPU burn, memory and disk bombs, fork bombs, output floods,
+  reading the host's files or the parent's environment, network access, signalling other
+  processes, leftover processes (the process group is killed after every run).
+* Without root (or without ``unshare``) only ``rlimits`` and the audit hook remain; the code
+  then runs as the parent's user and can read whatever that user can if it gets past the
+  hook. ``RLIMIT_NPROC`` then counts all that user's processes, so forking simply fails.
+* Not contained: kernel exploits (the sandbox shares the host kernel and has the full
+  syscall surface, no seccomp), CPython memory-corruption bugs (crafted bytecode can reach
+  raw syscalls, skipping the audit hook; the kernel layers still hold), side channels
+  (timing, ``/work`` on tmpfs costs host RAM beyond ``memory_mb``), and denial of service
+  against other sandboxes of the same uid (shared ``RLIMIT_NPROC``).
+* The audit hook is a mitigation, not a boundary: code in the same interpreter can defeat
+  it (or race its path checks with symlinks). It also means test results come from the
+  same interpreter as the model's code: a model that attacks its grader (forging status
+  lines, patching builtins, objects whose ``__eq__`` is always true) can fake passing
+  tests. Rewards here measure honest solutions.
+* For hostile code at scale use a real isolation boundary: a container runtime with
+  seccomp, gVisor, or Firecracker microVMs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the sandbox must not load subprocess: it would bypass the fork block
+    import subprocess
+
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_sandbox_child.py")
+_COMMAND = [sys.executable, "-S", "-s", "-B", "-P", _CHILD]
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+_STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_bytes
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandbox run (see the module docstring for what each enforces)."""
+
+    timeout_s: float = 10.0  # wall-clock limit of the whole run (replays and tests included)
+    cpu_time_s: int = 10  # CPU seconds (RLIMIT_CPU); the process is killed past it
+    memory_mb: int = 1024  # address space (RLIMIT_AS); allocations beyond raise MemoryError
+    max_output_bytes: int = 16384  # output kept; more stops the run
+    max_processes: int = 1  # RLIMIT_NPROC of the sandbox user; 1 also blocks fork/subprocess
+    disk_mb: int = 64  # largest file (RLIMIT_FSIZE) and, with chroot, the working dir's size
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    sandbox_user: str = "nobody"  # the unprivileged user the code runs as when we are root
+
+    def problems(self) -> list[str]:
+        """One line per bad limit, naming the field and the fix.
+
+        >>> for problem in SandboxLimits(timeout_s=0, memory_mb=8).problems():
+        ...     print(problem)
+        timeout_s: must be > 0 seconds, got 0
+        memory_mb: must be >= 64 (Python needs ~30 MB), got 8
+        """
+        checks = [
+            ("timeout_s", self.timeout_s > 0, "must be > 0 seconds"),
+            ("cpu_time_s", self.cpu_time_s >= 1, "must be >= 1 second"),
+            ("memory_mb", self.memory_mb >= 64, "must be >= 64 (Python needs ~30 MB)"),
+            ("max_output_bytes", self.max_output_bytes >= 1, "must be >= 1"),
+            ("max_processes", self.max_processes >= 1, "must be >= 1"),
+            ("disk_mb", self.disk_mb >= 1, "must be >= 1"),
+            ("max_open_files", self.max_open_files >= 16, "must be >= 16"),
+        ]
+        out = [f"{k}: {why}, got {getattr(self, k)!r}" for k, ok, why in checks if not ok]
+        return out + _user_problems(self.sandbox_user)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one run produced.
+
+    Attributes:
+        output: the last cell's stdout and stderr, then the repr of its final expression's
+            value when that is not None (as in a notebook); at most ``max_output_bytes``.
+        error: the last cell's exception as the traceback's last line(s), else None.
+        stopped: why the run was stopped before it finished (time, CPU or output limit, a
+            crash), else None.
+        cells_finished: cells that ran to their end (an exception counts as an end).
+        tests_passed: tests that raised nothing.
+        protections: the isolation layers that were in force (see the module docstring).
+    """
+
+    output: str
+    error: str | None
+    stopped: str | None
+    cells_finished: int
+    tests_passed: int
+    protections: tuple[str, ...]
+
+    def report(self) -> str:
+        """The text shown to the model: output, then the error and stop reason lines."""
+        lines = [self.output.rstrip("\n")] if self.output else []
+        lines += [text for text in (self.error, self.stopped) if text]
+        return "".join(line + "\n" for line in lines)
+
+
+def run_cells(
+    cells: Sequence[str], tests: Sequence[str] = (), limits: SandboxLimits | None = None
+) -> RunResult:
+    """Run ``cells`` in order in one fresh sandbox, then ``tests``; see the module docstring.
+
+    >>> r = run_cells(["x = 2", "print(x + 1)\\nx * 10"], ["assert x == 2", "assert x == 3"])
+    >>> r.output, r.error, r.stopped, r.cells_finished, r.tests_passed
+    ('3\\n20\\n', None, None, 2, 1)
+    """
+    limits = limits or SandboxLimits()
+    if limits.problems():
+        raise ValueError("Invalid SandboxLimits: " + "; ".join(limits.problems()))
+    import subprocess
+
+    uid, gid = _sandbox_ids(limits.sandbox_user)
+    workdir = tempfile.mkdtemp(prefix="envloop-code-")
+    request: dict[str, Any] = {"cells": list(cells), "tests": list(tests)}
+    request.update(limits=asdict(limits), workdir=workdir, uid=uid, gid=gid)
+    try:
+        proc = subprocess.Popen(
+            _COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=_ENV, cwd=workdir, start_new_session=True,
+        )  # fmt: skip
+        try:
+            _send(proc, json.dumps(request).encode())
+            out, status, cut = _read_output(proc, limits)
+        finally:
+            _kill_group(proc)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return _result(out, status, cut, proc.returncode, request)
+
+
+def _user_problems(user: str) -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return [f"sandbox_user: no user {user!r} here; use an unprivileged one such as 'nobody'"]
+    return [] if uid != 0 else [f"sandbox_user: {user!r} is root; use one such as 'nobody'"]
+
+
+def _sandbox_ids(user: str) -> tuple[int | None, int | None]:
+    """The uid and gid to run as: the sandbox user's when we are root, else None (no change)."""
+    if os.geteuid() != 0:
+        return None, None
+    import pwd
+
+    entry = pwd.getpwnam(user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _send(proc: subprocess.Popen[bytes], request: bytes) -> None:
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(request)
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass  # the child died during start-up; _result reports how
+
+
+def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[bytes, bytes, str]:
+    """Stdout and stderr until both close, the deadline passes ("timeout") or stdout passes
+    ``max_output_bytes`` ("output"); the third value is that reason, or ""."""
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = proc.stdout.fileno(), proc.stderr.fileno()
+    caps = {out: limits.max_output_bytes, err: _STATUS_BYTES}
+    data = {out: bytearray(), err: bytearray()}
+    deadline = time.monotonic() + limits.timeout_s
+    with selectors.DefaultSelector() as selector:
+        for fd in data:
+            selector.register(fd, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return bytes(data[out]), bytes(data[err]), "timeout"
+            for key, _ in selector.select(min(left, 0.1)):
+                chunk = os.read(key.fd, 1 << 16)
+                data[key.fd].extend(chunk)
+                if not chunk:
+                    selector.unregister(key.fd)
+                elif len(data[key.fd]) > caps[key.fd]:
+                    return bytes(data[out]), bytes(data[err]), "output"
+            if proc.poll() is not None:
+                _kill_group(proc)  # children it left behind would hold the pipes open
+    return bytes(data[out]), bytes(data[err]), ""
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's process group (one ``kill`` reaches forks in flight too)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _result(
+    out: bytes, status: bytes, cut: str, returncode: int, request: dict[str, Any]
+) -> RunResult:
+    limits = SandboxLimits(**request["limits"])
+    n_cells, n_tests = len(request["cells"]), len(request["tests"])
+    events = [e for e in map(_json_or_none, status.splitlines()) if isinstance(e, dict)]
+    cells = {e["cell"]: e.get("error") for e in events if e.get("cell") in range(n_cells)}
+    passed = {e["test"] for e in events if e.get("test") in range(n_tests) and e.get("passed")}
+    protections: Any = next((e["protections"] for e in events if "protections" in e), [])
+    last_error = cells.get(n_cells - 1)
+    done = any(e.get("done") is True for e in events)
+    stderr_lines = [line for line in status.decode(errors="replace").splitlines() if line]
+    return RunResult(
+        output=out[: limits.max_output_bytes].decode("utf-8", errors="replace"),
+        error=last_error if isinstance(last_error, str) else None,
+        stopped=_stop_reason(cut, returncode, done, limits, stderr_lines[-1:]),
+        cells_finished=len(cells),
+        tests_passed=len(passed),
+        protections=tuple(map(str, protections)) if isinstance(protections, list) else (),
+    )
+
+
+def _stop_reason(
+    cut: str, returncode: int, done: bool, limits: SandboxLimits, tail: list[str]
+) -> str | None:
+    if cut == "timeout":
+        return f"Stopped: the code ran longer than the {limits.timeout_s:g} s time limit."
+    if cut == "output":
+        return f"Stopped: the output passed the {limits.max_output_bytes}-byte limit."
+    if returncode == -signal.SIGXCPU:
+        return f"Stopped: the code used more than {limits.cpu_time_s} s of CPU time."
+    if done:
+        return None
+    how = f"exit code {returncode}"
+    if returncode < 0:
+        how = (
+            f"signal {signal.Signals(-returncode).name}"
+            if -returncode in signal.valid_signals()
+            else how
+        )
+    detail = f": {tail[0][:300]}" if tail and not tail[0].startswith("{") else ""
+    return f"Stopped: the sandbox process ended early ({how}){detail}."
+
+
+def _json_or_none(line: bytes) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None

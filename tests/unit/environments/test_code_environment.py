@@ -1,0 +1,182 @@
+"""The ``code`` environment: real sandboxes, exact observations and rewards, multi-turn state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from envloop.config_errors import ConfigError
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.check_env import check_env
+from envloop.environments.code_environment import CodeEnvironment
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.scripted_generation import ScriptedGeneration
+from tests.fixtures.batches import make_batch
+
+CFG = {"timeout_s": 2.0, "cpu_time_s": 2, "memory_mb": 256, "num_workers": 2}
+TESTS = ["assert square(2) == 4", "assert square(3) == 9", "assert square(-1) == -1"]
+NO_CODE = "No complete <code>...</code> block in the response, so the episode ends"
+
+
+@pytest.fixture(scope="module")
+def env():
+    environment = CodeEnvironment(CFG)
+    yield environment
+    environment.shutdown()
+
+
+def conversation(response: str) -> list[dict[str, str]]:
+    return [
+        {"role": "user", "content": "Write square(n)."},
+        {"role": "assistant", "content": response},
+    ]
+
+
+def step(env, responses, metadata):
+    return env.step([conversation(r) for r in responses], metadata)
+
+
+def test_state_persists_across_turns_of_an_episode(env):
+    first = step(env, ["<code>x = 1</code>"], [{}])
+    assert first.observations == [{"role": "tool", "content": "<result>\n</result>"}]
+    assert first.metadata == [{"cells": ["x = 1"], "turns": 1}]
+    assert first.next_stop_strings == [["</code>"]]
+    assert first.terminateds.tolist() == [False] and first.rewards.tolist() == [0.0]
+    second = step(env, ["I'll add one. <code>print(x + 1)\nx * 10</code>"], first.metadata)
+    assert second.observations[0]["content"] == "<result>\n2\n10\n</result>"
+    assert second.metadata == [{"cells": ["x = 1", "print(x + 1)\nx * 10"], "turns": 2}]
+    assert second.answers == ["print(x + 1)\nx * 10"]
+
+
+def test_a_response_without_code_ends_the_episode_and_scores_the_tests(env):
+    md = {"tests": TESTS, "cells": ["def square(n):\n    return n * n"], "turns": 1}
+    ret = step(env, ["Done."], [md])
+    assert ret.observations == [{"role": "environment", "content": f"{NO_CODE}: 2/3 tests passed."}]
+    assert ret.rewards.tolist() == [torch.tensor(2 / 3).item()]
+    assert ret.terminateds.tolist() == [True] and ret.next_stop_strings == [None]
+    assert ret.answers == [None]
+
+
+def test_malformed_responses_get_zero_and_an_explanation(env):
+    ret = step(env, ["I think it's n squared.", "<code>print(1)"], [{"tests": TESTS}, {}])
+    expected = f"{NO_CODE} with reward 0. Write Python between <code> and </code>."
+    assert [o["content"] for o in ret.observations] == [expected, expected]
+    assert ret.rewards.tolist() == [0.0, 0.0] and ret.terminateds.tolist() == [True, True]
+
+
+def test_the_turn_limit_runs_the_code_then_scores(env):
+    md = {"tests": TESTS, "max_turns": 1}
+    ret = step(env, ["<code>def square(n):\n    return n ** 2\nsquare(5)</code>"], [md])
+    assert ret.observations[0]["content"] == (
+        "<result>\n25\n</result>\nTurn limit reached, so the episode ends: 2/3 tests passed."
+    )
+    assert ret.terminateds.tolist() == [True]
+    assert ret.rewards.tolist() == [torch.tensor(2 / 3).item()]
+
+
+def test_errors_are_reported_and_the_failing_cell_kept_but_stopped_cells_dropped(env):
+    ret = step(env, ["<code>y = 5\n1 / 0</code>", "<code>while True:\n    pass</code>"], [{}, {}])
+    assert [o["content"] for o in ret.observations] == [
+        "<result>\nZeroDivisionError: division by zero\n</result>",
+        "<result>\nStopped: the code ran longer than the 2 s time limit.\n</result>",
+    ]
+    assert [md["cells"] for md in ret.metadata] == [["y = 5\n1 / 0"], []]
+    after = step(env, ["<code>y</code>"], [ret.metadata[0]])  # what ran before the error stays
+    assert after.observations[0]["content"] == "<result>\n5\n</result>"
+
+
+def test_no_tests_means_reward_zero(env):
+    ret = step(env, ["done"], [{"cells": ["x = 1"], "turns": 1}])
+    assert ret.observations[0]["content"] == f"{NO_CODE}: no tests to score (reward 0)."
+    assert ret.rewards.tolist() == [0.0]
+
+
+def test_bad_test_metadata_is_a_clear_error(env):
+    with pytest.raises(ValueError, match=r"metadata\['tests'\] must be a list of Python"):
+        step(env, ["done"], [{"tests": "assert True"}])
+
+
+def test_config_errors_name_every_bad_key():
+    bad = {"num_worker": 2, "timeout_s": 0, "stop_strings": "x", "memory_mb": "big"}
+    with pytest.raises(ConfigError) as info:
+        CodeEnvironment(bad)
+    assert info.value.problems == [
+        "num_worker: unknown option. Did you mean 'num_workers'?",
+        "stop_strings: expected list, got str ('x')",
+        "memory_mb: expected int, got str ('big')",
+        "timeout_s: must be > 0 seconds, got 0",
+    ]
+    with pytest.raises(ConfigError, match="max_turns: must be >= 1, got 0"):
+        CodeEnvironment({"max_turns": 0, "stop_strings": []})
+
+
+def test_metrics(env):
+    batch = BatchedDataDict(
+        total_reward=torch.tensor([1.0, 0.5, 0.0, 1.0]),
+        extra_env_info=[{"turns": 2}, {"turns": 1}, None, {"turns": 3}],
+    )
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics == {
+        "code_env/mean_reward": 0.625,
+        "code_env/all_tests_passed_rate": 0.5,
+        "code_env/mean_code_turns": 1.5,
+    }
+
+
+LOGS = [conversation("<code>print(6 * 7)</code>"), conversation("no code")]
+METADATA = [{"tests": ["assert True"]}, {"tests": ["assert True"]}]
+
+
+def test_check_env_in_process(env):
+    ret = check_env(env, LOGS, METADATA)
+    assert ret.observations[0]["content"] == "<result>\n42\n</result>"
+    assert ret.rewards.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.ray
+def test_check_env_on_a_ray_actor(ray_session):
+    actor = ray_session.remote(CodeEnvironment).options(num_cpus=0).remote(CFG)
+    try:
+        ret = check_env(actor, LOGS, METADATA)
+        assert ret.observations[0]["content"] == "<result>\n42\n</result>"
+        assert ret.terminateds.tolist() == [False, True]
+    finally:
+        ray_session.get(actor.shutdown.remote())
+        ray_session.kill(actor)
+
+
+def test_multi_turn_rollout_stops_at_code_and_keeps_state(tiny_tokenizer, env):
+    script = [
+        "<code>x = 20</code> this tail is cut by the stop string",
+        "<code>print(x + 1)\nx * 2</code>",
+        "Done: x is 20.",
+    ]
+    policy = ScriptedGeneration(tiny_tokenizer, lambda p: script[min(p.count("<result>"), 2)])
+    sample = {
+        "task": "code",
+        "prompt": "Set x to 20 using Python.",
+        "metadata": {"tests": ["assert x == 20", "assert x == 21"]},
+        "stop_strings": ["</code>"],
+    }
+    batch = make_batch(tiny_tokenizer, [sample])
+    final, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"code": env}, 512)
+    log = final["message_log"][0]
+    assert [m["role"] for m in log] == [
+        "user", "assistant", "tool", "assistant", "tool", "assistant", "environment",
+    ]  # fmt: skip
+    assert [m["content"] for m in log[1:]] == [
+        "<code>x = 20</code>", "<result>\n</result>",
+        "<code>print(x + 1)\nx * 2</code>", "<result>\n21\n40\n</result>",
+        "Done: x is 20.", f"{NO_CODE}: 1/2 tests passed.",
+    ]  # fmt: skip
+    assert policy.calls == [[["</code>"]], [["</code>"]], [["</code>"]]]
+    assert final["turn_rewards"] == [[0.0, 0.0, 0.5]]
+    assert final["total_reward"].tolist() == [0.5]
+    assert final["extra_env_info"][0]["cells"] == ["x = 20", "print(x + 1)\nx * 2"]
+
+
+def test_a_batch_keeps_its_order(env):
+    ret = step(env, [f"<code>{i} * 3</code>" for i in range(5)], [None] * 5)
+    assert [o["content"] for o in ret.observations] == [
+        f"<result>\n{i * 3}\n</result>" for i in range(5)
+    ]

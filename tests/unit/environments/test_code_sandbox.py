@@ -1,0 +1,236 @@
+"""The code sandbox against hostile code: each attack is contained, reported, and the host
+process is unaffected. Real processes throughout; short limits keep the file fast."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from envloop.environments import code_sandbox
+from envloop.environments.code_sandbox import RunResult, SandboxLimits, run_cells
+
+LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=5, memory_mb=256, max_output_bytes=1000)
+IS_ROOT = os.geteuid() == 0
+SANDBOX_SCRIPT = os.path.abspath(code_sandbox.__file__).encode()
+HOST_LIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NPROC)
+
+
+def sandbox_processes() -> list[int]:
+    """Live (not zombie) processes running the sandbox script, forks included."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if SANDBOX_SCRIPT in cmdline.split(b"\0") and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def host():
+    """Checks after the test that no sandbox process is left, the host's own limits are
+    untouched, and it can still start a process."""
+    limits = [resource.getrlimit(kind) for kind in HOST_LIMITS]
+    yield
+    assert sandbox_processes() == []
+    assert [resource.getrlimit(kind) for kind in HOST_LIMITS] == limits
+    probe = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+    assert probe.stdout == "42\n"
+
+
+def run(code: str, **limits) -> RunResult:
+    return run_cells([code], (), dataclasses.replace(LIMITS, **limits))
+
+
+def test_cells_share_one_namespace_and_only_the_last_cell_is_shown(host):
+    result = run_cells(["x = 2\nprint('replayed')", "print(x + 1)\nx * 10"], (), LIMITS)
+    assert (result.output, result.error, result.stopped) == ("3\n20\n", None, None)
+    assert result.cells_finished == 2
+    assert result.report() == "3\n20\n"
+
+
+def test_tests_count_the_statements_that_raise_nothing(host):
+    tests = ["assert f(2) == 4", "assert f(3) == 9", "assert f(0) == 1", "assert g(1)"]
+    result = run_cells(["def f(n):\n    return n * n"], tests, LIMITS)
+    assert result.tests_passed == 2
+
+
+def test_errors_are_the_last_lines_of_the_traceback(host):
+    result = run("print('before')\n1 / 0")
+    assert (result.output, result.error) == ("before\n", "ZeroDivisionError: division by zero")
+    assert result.report() == "before\nZeroDivisionError: division by zero\n"
+    syntax = run("x = = 1").error
+    assert syntax == 'File "<cell 1>", line 1\n    x = = 1\n        ^\nSyntaxError: invalid syntax'
+
+
+def test_infinite_loop_is_stopped_at_the_wall_clock_limit(host):
+    start = time.monotonic()
+    result = run("print('start')\nwhile True:\n    pass", timeout_s=1.0)
+    assert time.monotonic() - start < 3.0
+    assert result.output == "start\n"
+    assert result.stopped == "Stopped: the code ran longer than the 1 s time limit."
+    assert result.cells_finished == 0
+
+
+def test_cpu_burn_is_killed_at_the_cpu_limit(host):
+    result = run("while True:\n    pass", cpu_time_s=1, timeout_s=20.0)
+    assert result.stopped == "Stopped: the code used more than 1 s of CPU time."
+
+
+def test_sleeping_code_is_stopped_too(host):
+    result = run("import time\ntime.sleep(60)", timeout_s=1.0)
+    assert result.stopped == "Stopped: the code ran longer than the 1 s time limit."
+
+
+def test_memory_bomb_raises_memory_error_inside_the_sandbox(host):
+    result = run("x = []\nwhile True:\n    x.append(bytearray(10**7))", memory_mb=128)
+    assert (result.error, result.stopped) == ("MemoryError", None)
+    assert run("x = bytearray(2**40)").error == "MemoryError"
+
+
+def test_fork_and_subprocess_are_blocked_by_default(host):
+    assert run("import os\nos.fork()").error == "PermissionError: sandbox: os.fork is not allowed"
+    assert run("import os\nos.system('true')").error == (
+        "PermissionError: sandbox: os.system is not allowed"
+    )
+    assert run("import subprocess").error == (
+        "PermissionError: sandbox: import _posixsubprocess is not allowed"
+    )
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="RLIMIT_NPROC of a dedicated user needs root")
+def test_fork_bomb_hits_the_process_limit(host):
+    bomb = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(60)\n"
+        "        n += 1\n"
+        "except OSError as e:\n"
+        "    print(f'fork failed after {n} forks: {type(e).__name__}')\n"
+    )
+    result = run(bomb, max_processes=4)
+    assert result.output == "fork failed after 3 forks: BlockingIOError\n"  # 1 + 3 = 4
+    assert result.stopped is None  # the forks it left sleeping were killed with the group
+
+
+def test_reading_etc_passwd_is_blocked(host):
+    result = run("print(open('/etc/passwd').read())")
+    assert result.output == ""
+    assert re.fullmatch(
+        r"PermissionError: sandbox: reading '/etc/passwd' is not allowed \(outside .+\)",
+        result.error,
+    )
+
+
+def test_files_outside_the_working_directory_are_blocked(host, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the launch codes")
+    for code in [
+        f"open({str(secret)!r}).read()",
+        "open('../../x', 'w')",
+        "import os\nos.listdir('/')",
+    ]:
+        result = run(code)
+        assert result.error.startswith("PermissionError: sandbox: "), result.error
+        assert "launch codes" not in result.output
+    assert secret.read_text() == "the launch codes"
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="the private root needs root")
+def test_the_host_filesystem_is_not_even_visible_under_chroot(host, tmp_path):
+    (tmp_path / "secret.txt").write_text("x")
+    code = f"import os\n[os.path.exists(p) for p in ('/etc/passwd', {str(tmp_path)!r}, '/proc')]"
+    assert (
+        run(code).output == "[False, False, False]\n"
+    )  # os.stat is not audited: the kernel says no
+
+
+def test_the_working_directory_is_fresh_writable_and_removed(host):
+    workdirs = glob.glob(os.path.join(tempfile.gettempdir(), "envloop-code-*"))
+    result = run_cells(["open('a.txt', 'w').write('hi')", "import os\nsorted(os.listdir('.'))"])
+    assert result.output == "['a.txt']\n"
+    assert run("import os\nos.listdir('.')").output == "[]\n"
+    assert run("open('big', 'wb').write(b'x' * 2 * 2**20)", disk_mb=1).error == (
+        "OSError: [Errno 27] File too large"
+    )
+    assert glob.glob(os.path.join(tempfile.gettempdir(), "envloop-code-*")) == workdirs
+
+
+def test_sockets_are_blocked(host):
+    assert run("import socket\nsocket.socket()").error == (
+        "PermissionError: sandbox: socket.__new__ is not allowed"
+    )
+    assert run("import urllib.request\nurllib.request.urlopen('http://1.1.1.1')").error == (
+        "urllib.error.URLError: <urlopen error sandbox: socket.getaddrinfo is not allowed>"
+    )
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="a network namespace needs root")
+def test_the_network_namespace_has_only_loopback(host):
+    assert run("import socket\nsocket.if_nameindex()").output == "[(1, 'lo')]\n"
+
+
+def test_the_parents_environment_is_not_visible(host, monkeypatch):
+    monkeypatch.setenv("ENVLOOP_SECRET_TOKEN", "hunter2")
+    result = run("import os\nprint(sorted(os.environ))\nos.environ.get('ENVLOOP_SECRET_TOKEN')")
+    assert result.output == "['HOME', 'LANG', 'PATH', 'PYTHONHASHSEED', 'TMPDIR']\n"
+    result = run("import os\nopen(f'/proc/{os.getppid()}/environ').read()")
+    assert result.error.startswith("PermissionError: sandbox: reading '/proc/")
+    assert os.environ["ENVLOOP_SECRET_TOKEN"] == "hunter2"
+
+
+def test_huge_output_is_capped_and_stops_the_run(host):
+    result = run("while True:\n    print('x' * 99)", max_output_bytes=1000)
+    assert result.output == ("x" * 99 + "\n") * 10
+    assert result.stopped == "Stopped: the output passed the 1000-byte limit."
+    one_line = run("print('y' * 10**6)", max_output_bytes=1000)
+    assert (one_line.output, one_line.stopped) == ("y" * 1000, result.stopped)
+
+
+def test_signals_ctypes_and_early_exits_are_handled(host):
+    assert (
+        run("import os\nos.kill(1, 9)").error == "PermissionError: sandbox: os.kill is not allowed"
+    )
+    assert run("import ctypes").error == "PermissionError: sandbox: import ctypes is not allowed"
+    assert run("import os\nos._exit(3)").stopped == (
+        "Stopped: the sandbox process ended early (exit code 3)."
+    )
+    assert run("import sys\nsys.exit(2)").error == "SystemExit: 2"
+
+
+def test_replays_draw_the_same_random_numbers(host):
+    first = run("import random\nrandom.random()").output
+    assert first == run("import random\nrandom.random()").output == "0.8444218515250481\n"
+
+
+def test_protections_in_force_on_this_machine(host):
+    result = run("import os\nos.getuid()")
+    if IS_ROOT:
+        assert result.protections == (
+            "netns", "chroot", "no_new_privs", "rlimits", "uid=65534", "audit_hook",
+        )  # fmt: skip
+        assert result.output == "65534\n"
+    else:
+        assert {"rlimits", "audit_hook"} <= set(result.protections)
+
+
+def test_bad_limits_are_refused_with_every_problem():
+    with pytest.raises(ValueError, match="timeout_s: must be > 0.*max_open_files: must be >= 16"):
+        run_cells(["1"], (), SandboxLimits(timeout_s=0, max_open_files=3))
