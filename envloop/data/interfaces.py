@@ -9,8 +9,6 @@ A *message* is a plain dict so that it crosses process and Ray boundaries cheapl
 - ``generation_logprobs``: 1-D float32 tensor, one per token, on generated messages.
 """
 
-from __future__ import annotations
-
 from typing import Any, TypedDict
 
 import torch

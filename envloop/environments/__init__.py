@@ -1,15 +1,32 @@
-"""Environments: the interface, the registry, and the built-in environments."""
+"""Environments: the interface, the registry, the contract checker, and the built-ins.
 
-from envloop.environments.check_env import EnvironmentContractError, check_env
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from envloop.environments.registry import create_env, list_envs, register_env
+Names are imported on first use, so a worker process that imports one environment module
+(e.g. a math-verify worker) does not pay for torch, Ray and every other environment.
+"""
 
-__all__ = [
-    "EnvironmentContractError",
-    "EnvironmentInterface",
-    "EnvironmentReturn",
-    "check_env",
-    "create_env",
-    "list_envs",
-    "register_env",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_PUBLIC = {
+    "EnvironmentContractError": "envloop.environments.checker",
+    "EnvironmentInterface": "envloop.environments.interfaces",
+    "EnvironmentReturn": "envloop.environments.interfaces",
+    "check_env": "envloop.environments.checker",
+    "create_env": "envloop.environments.registry",
+    "list_envs": "envloop.environments.registry",
+    "register_env": "envloop.environments.registry",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'envloop.environments' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

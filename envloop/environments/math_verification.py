@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# Imported here, not in math_equivalent: a (re)started worker pays for it while starting,
+# never inside an item's time limit.
+from math_verify import parse, verify
+
 from envloop.environments.process_pool import HardTimeoutPool, Outcome
 
 
@@ -22,8 +26,6 @@ def math_equivalent(pair: tuple[str, str]) -> bool:
     >>> math_equivalent(("3", "\\\\boxed{4}"))
     False
     """
-    from math_verify import parse, verify
-
     ground_truth, answer = pair
     gold = parse(f"\\boxed{{{ground_truth}}}", parsing_timeout=None)
     predicted = parse(answer, parsing_timeout=None)

@@ -51,7 +51,7 @@ class HardTimeoutPool:
         self.fn = fn
         self.timeout_s = timeout_s
         self._context = mp.get_context("spawn")
-        self._workers = [self._start() for _ in range(num_workers)]
+        self._workers = self._start_many(num_workers)
         self.replaced = 0
         """How many workers were killed (timeout) or died (crash) and replaced."""
 
@@ -104,6 +104,7 @@ class HardTimeoutPool:
         try:
             ok, payload = self._workers[slot].conn.recv()
         except (EOFError, OSError):
+            self._workers[slot].process.join(timeout=5)
             exitcode = self._workers[slot].process.exitcode
             self._replace(slot)
             return Outcome(error=f"worker process died (exit code {exitcode})")
@@ -111,22 +112,29 @@ class HardTimeoutPool:
 
     def _replace(self, slot: int) -> None:
         self._workers[slot].stop()
-        self._workers[slot] = self._start()
+        self._workers[slot] = self._start_many(1)[0]
         self.replaced += 1
 
-    def _start(self) -> _Worker:
-        """A new worker, once it has imported ``fn`` (start-up never counts as item time)."""
-        parent, child = self._context.Pipe()
-        process = self._context.Process(target=_serve, args=(child, self.fn), daemon=True)
-        process.start()
-        child.close()
-        if not parent.poll(_STARTUP_TIMEOUT_S) or parent.recv() != _READY:
-            process.kill()
-            raise RuntimeError(
-                f"A worker process for {getattr(self.fn, '__qualname__', self.fn)!r} did not "
-                f"start within {_STARTUP_TIMEOUT_S} s; is the function importable?"
-            )
-        return _Worker(process, parent)
+    def _start_many(self, n: int) -> list[_Worker]:
+        """``n`` new workers, started together; returns once each has imported ``fn``
+        (start-up never counts as item time)."""
+        started = []
+        for _ in range(n):
+            parent, child = self._context.Pipe()
+            process = self._context.Process(target=_serve, args=(child, self.fn), daemon=True)
+            process.start()
+            child.close()
+            started.append(_Worker(process, parent))
+        for worker in started:
+            if not worker.conn.poll(_STARTUP_TIMEOUT_S) or worker.conn.recv() != _READY:
+                for w in started:
+                    w.stop()
+                name = getattr(self.fn, "__qualname__", self.fn)
+                raise RuntimeError(
+                    f"A worker process for {name!r} did not start within {_STARTUP_TIMEOUT_S} s;"
+                    " is the function importable?"
+                )
+        return started
 
 
 @dataclass

@@ -11,7 +11,7 @@ class WorkerPool:
 
     With Ray initialized the workers are Ray actors (``ray_options`` go to ``.options``);
     without Ray there is one in-process worker, so environments run unchanged in a plain
-    Python process (debugging, tests).
+    Python process (debugging, tests). ``use_ray`` forces either choice.
 
     >>> class Doubler:
     ...     def run(self, xs, ys):
@@ -26,12 +26,13 @@ class WorkerPool:
         num_workers: int,
         *args: Any,
         ray_options: dict[str, Any] | None = None,
+        use_ray: bool | None = None,
     ) -> None:
         import ray
 
         if num_workers < 1:
             raise ValueError(f"WorkerPool needs num_workers >= 1, got {num_workers}.")
-        self.remote = ray.is_initialized()
+        self.remote = ray.is_initialized() if use_ray is None else use_ray
         if self.remote:
             actor_cls: Any = ray.remote(worker_cls).options(**(ray_options or {}))
             self.workers: list[Any] = [actor_cls.remote(*args) for _ in range(num_workers)]
@@ -57,12 +58,14 @@ class WorkerPool:
         return [item for part in parts for item in part]
 
     def shutdown(self) -> None:
-        """Kill the worker actors (in-process workers are simply dropped)."""
-        if self.remote:
-            import ray
+        """Kill the worker actors; in-process workers get their ``close()`` called, if any."""
+        for worker in self.workers:
+            if self.remote:
+                import ray
 
-            for worker in self.workers:
                 ray.kill(worker)
+            elif callable(getattr(worker, "close", None)):
+                worker.close()
         self.workers = []
 
 

@@ -1,7 +1,5 @@
 """The contract between the rollout engine and a policy's generation backend."""
 
-from __future__ import annotations
-
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any, TypedDict

@@ -9,7 +9,7 @@ from tests.fixtures.pool_tasks import Tagger
 
 
 def test_in_process_without_ray():
-    pool = WorkerPool(Tagger, 4, "p-")
+    pool = WorkerPool(Tagger, 4, "p-", use_ray=False)
     assert [t for t, _ in pool.map("tag", ["a", "b", "c"], ["1", "2", "3"])] == [
         "p-a1", "p-b2", "p-c3",
     ]  # fmt: skip
