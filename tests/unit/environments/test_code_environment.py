@@ -7,7 +7,7 @@ import torch
 
 from envloop.config_errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.check_env import check_env
+from envloop.environments.checker import check_env
 from envloop.environments.code_environment import CodeEnvironment
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
