@@ -1,0 +1,171 @@
+"""Reward-model environment: a sequence-classification model scores whole conversations.
+
+Each conversation (every message's ``role`` and ``content``) is rendered with the reward
+model's own chat template and scored by an ``AutoModelForSequenceClassification`` with one
+label (e.g. ``Skywork/Skywork-Reward-V2-Qwen3-0.6B``, or a local folder), on cuda when the
+process has a GPU, else on CPU. The reward is that scalar score; every episode ends after one
+step; ``answers`` holds each conversation's last assistant message (``None`` if it has none);
+the observation is ``{"role": "environment", "content": "Environment: reward 1.2345"}``.
+
+A conversation longer than ``max_model_len`` tokens is cut from the left (a leading BOS is
+kept), so the last turn is always scored, and counted in ``reward_model_env/num_truncated``.
+An empty or malformed conversation gets reward 0 and an observation saying why. Batches are
+fixed-order or length-sorted within a token budget (``reward_model_batching``); padding and
+batching never change a score. Options: :mod:`envloop.environments.reward_model_config`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any
+
+import torch
+
+from envloop.data.interfaces import LLMMessageLogType
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.reward_model_batching import pad_sequences, plan_batches, score_sequences
+from envloop.environments.reward_model_config import (
+    RewardModelEnvironmentConfig,
+    load_reward_model,
+    reward_model_ray_options,
+    validate_config,
+)
+
+__all__ = ["RewardModelEnvironment", "RewardModelEnvironmentConfig", "reward_model_ray_options"]
+PREFIX = "reward_model_env/"
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    """Scores conversations with a reward model; see the module docstring."""
+
+    def __init__(self, cfg: RewardModelEnvironmentConfig | None = None) -> None:
+        self.config = validate_config(cfg)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.tokenizer, self.model = load_reward_model(self.config, self.device)
+        self.pad_id: int = self.model.config.get_text_config().pad_token_id
+        self.num_truncated = 0  # since the last global_post_process_and_metrics call
+
+    def preprocess_data(self, message_logs: list[LLMMessageLogType]) -> BatchedDataDict[Any]:
+        """Templated, left-truncated token ids: ``input_ids`` [B, L] right-padded with the pad
+        id, ``input_lengths`` [B] int32, ``truncated`` [B] bool. Raises ValueError naming a
+        malformed conversation."""
+        encoded = [self.encode(log) for log in message_logs]
+        input_ids, _ = pad_sequences([ids for ids, _ in encoded], self.pad_id)
+        return BatchedDataDict(
+            input_ids=input_ids,
+            input_lengths=torch.tensor([len(ids) for ids, _ in encoded], dtype=torch.int32),
+            truncated=torch.tensor([cut for _, cut in encoded], dtype=torch.bool),
+        )
+
+    def encode(self, log: LLMMessageLogType) -> tuple[list[int], bool]:
+        """``(token ids, truncated)`` of one conversation; ValueError if it is malformed."""
+        if not isinstance(log, list):
+            raise ValueError(f"expected a list of messages, got {type(log).__name__}")
+        if not log:
+            raise ValueError("empty conversation")
+        bad = [i for i, message in enumerate(log) if not _is_message(message)]
+        if bad:
+            raise ValueError(f"message {bad[0]} is not a {{'role': str, 'content': str}} dict")
+        messages = [{"role": m["role"], "content": m["content"]} for m in log]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception as exc:
+            raise ValueError(f"chat template failed ({type(exc).__name__}: {exc})") from exc
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        limit = self.config["max_model_len"]
+        if len(ids) <= limit:
+            return ids, False
+        keep_bos = ids[0] == self.tokenizer.bos_token_id and limit > 1
+        return ids[:1] + ids[len(ids) - limit + 1 :] if keep_bos else ids[-limit:], True
+
+    def score(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Scores [N] float32 of token-id sequences, batched as configured, in input order."""
+        budget = self.config["dynamic_batching"]
+        max_tokens = budget["max_tokens_per_batch"] if budget["enabled"] else None
+        batches = plan_batches([len(s) for s in sequences], self.config["batch_size"], max_tokens)
+        side = self.tokenizer.padding_side
+        return score_sequences(self.model, sequences, batches, self.pad_id, side)
+
+    def step(
+        self,
+        message_log_batch: list[LLMMessageLogType],
+        metadata: list[Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> EnvironmentReturn:
+        """Score every conversation; all terminate. Rewards [B] float32."""
+        if self.model is None:
+            raise RuntimeError("RewardModelEnvironment.step after shutdown(); create a new one.")
+        results = [self._encode_or_error(log) for log in message_log_batch]
+        valid = {i: result for i, result in enumerate(results) if isinstance(result, tuple)}
+        rewards = torch.zeros(len(results), dtype=torch.float32)
+        if valid:
+            rewards[list(valid)] = self.score([ids for ids, _ in valid.values()])
+        self.num_truncated += sum(cut for _, cut in valid.values())
+        return EnvironmentReturn(
+            observations=[_observation(r, reward) for r, reward in zip(results, rewards.tolist())],
+            metadata=list(metadata),
+            next_stop_strings=[None] * len(results),
+            rewards=rewards,
+            terminateds=torch.ones(len(results), dtype=torch.bool),
+            answers=[_last_assistant(log) for log in message_log_batch],
+        )
+
+    def _encode_or_error(self, log: Any) -> tuple[list[int], bool] | str:
+        try:
+            return self.encode(log)
+        except Exception as exc:  # a bad conversation is data, not a crash
+            return str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+        """Reward statistics of ``batch["total_reward"]`` (std: population) and the number of
+        conversations truncated since the previous call."""
+        rewards = torch.as_tensor(batch.get("total_reward", []), dtype=torch.float32)
+        some = rewards if rewards.numel() else torch.zeros(1)
+        stats: dict[str, float] = {
+            "num_samples": rewards.numel(),
+            "num_truncated": self.num_truncated,
+            "mean_reward": some.mean().item(),
+            "std_reward": some.std(correction=0).item(),
+            "min_reward": some.min().item(),
+            "max_reward": some.max().item(),
+        }
+        self.num_truncated = 0
+        return batch, {PREFIX + key: value for key, value in stats.items()}
+
+    def shutdown(self) -> None:
+        """Free the model; later steps raise. Safe to call twice. On cuda also collect garbage
+        and empty the allocator's cache (on CPU dropping the reference frees it at once)."""
+        if getattr(self, "model", None) is None:
+            return
+        self.model = None
+        if self.device == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit modules may be gone
+            self.shutdown()
+
+
+def _is_message(message: Any) -> bool:
+    if not isinstance(message, dict):
+        return False
+    return isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+
+
+def _observation(encoded: tuple[list[int], bool] | str, reward: float) -> dict[str, str]:
+    if isinstance(encoded, str):
+        return {"role": "environment", "content": f"Environment: reward 0 (not scored: {encoded})"}
+    return {"role": "environment", "content": f"Environment: reward {reward:.4f}"}
+
+
+def _last_assistant(log: Any) -> str | None:
+    for message in reversed(log if isinstance(log, list) else []):
+        if _is_message(message) and message["role"] == "assistant":
+            return message["content"]
+    return None

@@ -1,0 +1,315 @@
+"""RewardModelEnvironment: exact scores from a tiny reward model loaded with from_pretrained."""
+
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from envloop.config_errors import ConfigError
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments import check_env
+from envloop.environments.reward_model_batching import plan_batches
+from envloop.environments.reward_model_config import DEFAULTS, validate_config
+from envloop.environments.reward_model_environment import (
+    RewardModelEnvironment,
+    reward_model_ray_options,
+)
+from tests.fixtures.chat_templates import (
+    CHATML_STRICT_ROLES_TEMPLATE,
+    build_chatml_tokenizer,
+    build_llama3_tokenizer,
+)
+from tests.fixtures.tiny_reward_model import build_tiny_reward_model, save_tiny_reward_model
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "answers", "42"]
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    """A deterministic conversation whose length grows with ``i`` (some have a system turn)."""
+    user = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(2 + 3 * i))
+    log = [{"role": "user", "content": f"Question {i}: {user}?"}]
+    log.append({"role": "assistant", "content": f"<answer>{i * 7}</answer>"})
+    return ([{"role": "system", "content": "Be brief."}] if i % 3 == 0 else []) + log
+
+
+LOGS = [conversation(i) for i in (4, 0, 9, 2, 7, 1, 5)]
+
+
+@pytest.fixture(scope="module")
+def rm_dir(tmp_path_factory):
+    return save_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm"))
+
+
+def make_env(rm_dir, **options) -> RewardModelEnvironment:
+    cfg = {"model_name": str(rm_dir), "precision": "float32", "max_model_len": 512}
+    budget = options.pop("max_tokens_per_batch", None)
+    cfg["dynamic_batching"] = {"enabled": budget is not None, "max_tokens_per_batch": budget or 512}
+    return RewardModelEnvironment({**cfg, **options})
+
+
+def direct_score(model, tokenizer, log) -> float:
+    text = tokenizer.apply_chat_template(log, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        return model(input_ids=ids).logits[0, 0].item()
+
+
+def test_scores_equal_a_direct_forward_pass_on_the_templated_text(rm_dir):
+    env = make_env(rm_dir, batch_size=4)
+    ret = env.step(LOGS, [{"i": i} for i in range(len(LOGS))])
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    assert tokenizer.apply_chat_template(LOGS[1], tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nQuestion 0: the quick?"
+        "<|im_end|>\n<|im_start|>assistant\n<answer>0</answer><|im_end|>\n"
+    )
+    expected = torch.tensor([direct_score(model, tokenizer, log) for log in LOGS])
+    assert ret.rewards.dtype == torch.float32
+    assert torch.allclose(ret.rewards, expected, atol=1e-5, rtol=0)
+    assert expected.std() > 0.05  # the scores really differ between conversations
+    assert ret.observations == [
+        {"role": "environment", "content": f"Environment: reward {r:.4f}"}
+        for r in ret.rewards.tolist()
+    ]
+    assert ret.answers == [log[-1]["content"] for log in LOGS]
+    assert ret.terminateds.tolist() == [True] * len(LOGS)
+    assert ret.next_stop_strings == [None] * len(LOGS)
+    assert ret.metadata == [{"i": i} for i in range(len(LOGS))]
+
+
+def test_batched_and_one_by_one_scores_agree(rm_dir):
+    batched = make_env(rm_dir, batch_size=4).step(LOGS, [None] * len(LOGS)).rewards
+    single = make_env(rm_dir, batch_size=1)
+    one_by_one = torch.cat([single.step([log], [None]).rewards for log in LOGS])
+    assert (batched - one_by_one).abs().max().item() < 1e-5
+
+
+def test_padding_side_does_not_change_scores(rm_dir):
+    env = make_env(rm_dir, batch_size=len(LOGS))
+    right = env.step(LOGS, [None] * len(LOGS)).rewards
+    env.tokenizer.padding_side = "left"
+    left = env.step(LOGS, [None] * len(LOGS)).rewards
+    assert (right - left).abs().max().item() < 1e-5
+
+
+def test_dynamic_batching_gives_the_fixed_scores_in_input_order(rm_dir):
+    logs = [conversation(i) for i in (11, 0, 3, 12, 1, 6, 2, 9, 4, 10)]
+    lengths = make_env(rm_dir).preprocess_data(logs)["input_lengths"].tolist()
+    fixed = make_env(rm_dir, batch_size=4).step(logs, [None] * 10).rewards
+    budget = 2 * max(lengths)
+    dynamic = make_env(rm_dir, batch_size=4, max_tokens_per_batch=budget, max_model_len=budget)
+    assert (dynamic.step(logs, [None] * 10).rewards - fixed).abs().max().item() < 1e-5
+    batches = plan_batches(lengths, 4, budget)
+    assert sorted(i for b in batches for i in b) == list(range(10))
+    assert all(len(b) <= 4 and len(b) * lengths[b[0]] <= budget for b in batches)
+    assert [lengths[b[0]] for b in batches] == sorted(
+        (lengths[b[0]] for b in batches), reverse=True
+    )
+
+
+def test_preprocess_data_templates_and_right_pads(rm_dir):
+    env = make_env(rm_dir)
+    tokenizer = env.tokenizer
+    data = env.preprocess_data(LOGS[:2])
+    assert isinstance(data, BatchedDataDict)
+    ids = [
+        tokenizer(tokenizer.apply_chat_template(log, tokenize=False))["input_ids"]
+        for log in LOGS[:2]
+    ]
+    assert data["input_lengths"].tolist() == [len(ids[0]), len(ids[1])]
+    assert data["input_ids"].shape == (2, max(map(len, ids)))
+    for row, expected in zip(data["input_ids"].tolist(), ids):
+        assert row == expected + [tokenizer.pad_token_id] * (len(row) - len(expected))
+    assert data["truncated"].tolist() == [False, False]
+    with pytest.raises(ValueError, match="empty conversation"):
+        env.preprocess_data([LOGS[0], []])
+
+
+def test_long_conversations_are_cut_from_the_left_and_counted(rm_dir):
+    env = make_env(rm_dir, max_model_len=48)
+    long_log = conversation(30)
+    full = env.tokenizer(env.tokenizer.apply_chat_template(long_log, tokenize=False))["input_ids"]
+    data = env.preprocess_data([long_log, LOGS[5]])
+    assert len(full) > 48
+    assert data["input_ids"][0].tolist() == full[-48:]
+    assert data["input_lengths"].tolist()[0] == 48 and data["truncated"].tolist() == [True, False]
+    text = env.tokenizer.decode(full[-48:])
+    assert text.endswith("<|im_start|>assistant\n<answer>210</answer><|im_end|>\n")
+    ret = env.step([long_log, LOGS[5], long_log], [None] * 3)
+    model = env.model
+    with torch.no_grad():
+        expected = model(input_ids=torch.tensor([full[-48:]])).logits[0, 0].item()
+    assert ret.rewards[0].item() == pytest.approx(expected, abs=1e-5)
+    assert ret.rewards[2].item() == pytest.approx(expected, abs=1e-5)
+    _, metrics = env.global_post_process_and_metrics(BatchedDataDict(total_reward=ret.rewards))
+    assert metrics["reward_model_env/num_truncated"] == 2
+    _, metrics = env.global_post_process_and_metrics(BatchedDataDict(total_reward=ret.rewards))
+    assert metrics["reward_model_env/num_truncated"] == 0
+
+
+def test_separate_tokenizer_and_bos_kept_when_cutting(tmp_path):
+    tokenizer = build_llama3_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "tok")
+    build_tiny_reward_model(len(tokenizer), tokenizer.pad_token_id).save_pretrained(tmp_path / "m")
+    env = RewardModelEnvironment(
+        {"model_name": str(tmp_path / "m"), "tokenizer": {"name": str(tmp_path / "tok")},
+         "precision": "float32", "max_model_len": 20}
+    )  # fmt: skip
+    ids = env.preprocess_data([conversation(8)])["input_ids"][0].tolist()
+    full = tokenizer(
+        tokenizer.apply_chat_template(conversation(8), tokenize=False), add_special_tokens=False
+    )["input_ids"]
+    assert full[0] == tokenizer.bos_token_id and len(full) > 20
+    assert ids == full[:1] + full[-19:]
+
+
+def test_malformed_conversations_get_zero_and_an_explanation(rm_dir, tmp_path):
+    build_chatml_tokenizer(CHATML_STRICT_ROLES_TEMPLATE).save_pretrained(tmp_path)
+    env = make_env(rm_dir, tokenizer=str(tmp_path), batch_size=2)
+    env_turn = [*LOGS[0], {"role": "environment", "content": "hi"}]
+    logs = [LOGS[0], [], [{"role": "user"}], "text", env_turn, LOGS[2]]
+    ret = env.step(logs, [None] * len(logs))
+    alone = make_env(rm_dir).step([LOGS[0], LOGS[2]], [None, None]).rewards
+    assert ret.rewards[[0, 5]].tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+    assert ret.rewards[1:5].tolist() == [0.0] * 4
+    assert [o["content"] for o in ret.observations[1:5]] == [
+        "Environment: reward 0 (not scored: empty conversation)",
+        "Environment: reward 0 (not scored: message 0 is not a {'role': str, 'content': str} dict)",
+        "Environment: reward 0 (not scored: expected a list of messages, got str)",
+        "Environment: reward 0 (not scored: chat template failed "
+        "(TemplateError: Unknown role: environment))",
+    ]
+    assert ret.answers == [
+        LOGS[0][-1]["content"],
+        None,
+        None,
+        None,
+        LOGS[0][-1]["content"],
+        LOGS[2][-1]["content"],
+    ]
+
+
+def test_metrics_are_exact(rm_dir):
+    env = make_env(rm_dir)
+    batch = BatchedDataDict(total_reward=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics == {
+        "reward_model_env/num_samples": 4,
+        "reward_model_env/num_truncated": 0,
+        "reward_model_env/mean_reward": 2.5,
+        "reward_model_env/std_reward": pytest.approx(math.sqrt(1.25)),
+        "reward_model_env/min_reward": 1.0,
+        "reward_model_env/max_reward": 4.0,
+    }
+    _, empty = env.global_post_process_and_metrics(BatchedDataDict())
+    assert (
+        empty["reward_model_env/num_samples"] == 0 and empty["reward_model_env/mean_reward"] == 0.0
+    )
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_checkpoint_path_loads_weights_on_top(rm_dir, tmp_path, suffix):
+    other = save_tiny_reward_model(tmp_path / "other", seed=1)
+    state = AutoModelForSequenceClassification.from_pretrained(other).state_dict()
+    path = tmp_path / f"weights{suffix}"
+    if suffix == ".pt":
+        torch.save(state, path)
+    else:
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    loaded = make_env(rm_dir, checkpoint_path=str(path)).step(LOGS, [None] * len(LOGS)).rewards
+    reference = make_env(other).step(LOGS, [None] * len(LOGS)).rewards
+    base = make_env(rm_dir).step(LOGS, [None] * len(LOGS)).rewards
+    assert (loaded - reference).abs().max().item() < 1e-6
+    assert (loaded - base).abs().max().item() > 0.1
+
+
+def test_bfloat16_precision(rm_dir):
+    env = make_env(rm_dir, precision="bfloat16")
+    assert env.model.dtype == torch.bfloat16
+    rewards = env.step(LOGS[:2], [None, None]).rewards
+    assert rewards.dtype == torch.float32
+    full = make_env(rm_dir).step(LOGS[:2], [None, None]).rewards
+    assert (rewards - full).abs().max().item() < 0.5
+
+
+def test_shutdown_frees_the_model_and_del_calls_it(rm_dir):
+    env = make_env(rm_dir)
+    env.step(LOGS[:1], [None])
+    model_ref = weakref.ref(env.model)
+    env.shutdown()
+    assert env.model is None and model_ref() is None
+    env.shutdown()  # twice is fine
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        env.step(LOGS[:1], [None])
+    env = make_env(rm_dir)
+    model_ref = weakref.ref(env.model)
+    del env
+    assert model_ref() is None
+
+
+def test_config_errors_list_every_bad_key(tmp_path):
+    bad = {
+        "model_nme": "x",
+        "enabled": False,
+        "precision": "fp8",
+        "batch_size": 0,
+        "max_model_len": "long",
+        "checkpoint_path": str(tmp_path / "missing.pt"),
+        "tokenizer": {"nam": "x"},
+        "resources": {"num_gpus": -1, "gpus": 1},
+        "dynamic_batching": {"enabled": "yes", "max_tokens_per_batch": 8},
+    }
+    with pytest.raises(ConfigError) as info:
+        RewardModelEnvironment(bad)
+    assert info.value.problems == [
+        "model_nme: unknown option. Did you mean 'model_name'?",
+        "max_model_len: expected int, got str ('long')",
+        "resources.gpus: unknown option. Did you mean 'num_gpus'?",
+        "dynamic_batching.enabled: expected bool, got str ('yes')",
+        "enabled: False is invalid; this config disables the environment; don't create it",
+        "tokenizer: {'nam': 'x'} is invalid; use None, a name or {\"name\": ...}",
+        "precision: 'fp8' is invalid; use one of float32, bfloat16, float16",
+        "batch_size: 0 is invalid; use 1 or more",
+        f"checkpoint_path: {str(tmp_path / 'missing.pt')!r} is invalid; no such file",
+        "resources: {'num_cpus': 1, 'num_gpus': -1, 'gpus': 1} is invalid; use counts >= 0",
+    ]
+    with pytest.raises(ConfigError, match="max_tokens_per_batch: 100 is invalid; raise it"):
+        validate_config({"max_model_len": 200, "dynamic_batching": {"max_tokens_per_batch": 100}})
+    with pytest.raises(ConfigError, match="config: expected a dict, got str"):
+        validate_config("model")
+
+
+def test_none_means_defaults_and_ray_options_come_from_resources():
+    assert validate_config(None) == DEFAULTS
+    assert reward_model_ray_options(None) == {"num_cpus": 1, "num_gpus": 0}
+    assert reward_model_ray_options({"resources": {"num_cpus": 2, "num_gpus": 0.5}}) == {
+        "num_cpus": 2,
+        "num_gpus": 0.5,
+    }
+
+
+def test_check_env_in_process(rm_dir):
+    env = make_env(rm_dir, max_tokens_per_batch=512)
+    ret = check_env(env, LOGS, [None] * len(LOGS))
+    assert ret.terminateds.all()
+    empty = env.step([], [])
+    assert empty.rewards.shape == (0,) and empty.observations == [] and empty.answers == []
+
+
+@pytest.mark.ray
+def test_check_env_as_a_ray_actor(rm_dir, ray_session):
+    cfg = {"model_name": str(rm_dir), "precision": "float32", "resources": {"num_cpus": 1}}
+    actor_cls = ray_session.remote(RewardModelEnvironment)
+    actor = actor_cls.options(**reward_model_ray_options(cfg)).remote(cfg)
+    try:
+        ret = check_env(actor, LOGS, [None] * len(LOGS))
+        local = make_env(rm_dir, max_tokens_per_batch=512).step(LOGS, [None] * len(LOGS))
+        assert (ret.rewards - local.rewards).abs().max().item() < 1e-5
+    finally:
+        ray_session.get(actor.shutdown.remote())
+        ray_session.kill(actor)
