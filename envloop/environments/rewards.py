@@ -115,10 +115,7 @@ def math_expr(
     ]
     if not pairs:
         return []
-    verifier = _math_verifier(float(timeout_s), int(processes))
-    outcomes = verifier.check(pairs)
-    if any(outcome.error is not None for outcome in outcomes):
-        _warmed_up(verifier, int(processes))
+    outcomes = _math_verifier(float(timeout_s), int(processes)).check(pairs)
     return [(1.0, True) if outcome.value is True else (0.0, False) for outcome in outcomes]
 
 
@@ -331,24 +328,10 @@ _VERIFIERS: dict[tuple[float, int], MathVerifier] = {}
 
 
 def _math_verifier(timeout_s: float, processes: int) -> MathVerifier:
-    """This process's verifier for these settings, started (and warmed up) on first use."""
+    """This process's verifier for these settings, started on first use."""
     if (timeout_s, processes) not in _VERIFIERS:
-        _VERIFIERS[(timeout_s, processes)] = _warmed_up(
-            MathVerifier(processes, timeout_s), processes
-        )
+        _VERIFIERS[(timeout_s, processes)] = MathVerifier(processes, timeout_s)
     return _VERIFIERS[(timeout_s, processes)]
-
-
-def _warmed_up(verifier: MathVerifier, processes: int) -> MathVerifier:
-    """``verifier`` once each worker process has imported math-verify, outside the time limit
-    (a worker replaced after a timeout starts cold, so this runs again after one)."""
-    limit = verifier.pool.timeout_s
-    verifier.pool.timeout_s = max(limit, 120.0)
-    try:
-        verifier.check([("1", "1")] * processes)
-    finally:
-        verifier.pool.timeout_s = limit
-    return verifier
 
 
 def close_math_verifiers() -> None:

@@ -1,0 +1,251 @@
+"""MathEnvironment: exact rewards from real math-verify in real worker processes, timeouts
+and dead or stuck workers that fail only their own samples, the multi-reward variant, config
+errors, the contract checker (in-process and as a Ray actor) and a rollout."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from envloop.config_errors import ConfigError
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.checker import check_env
+from envloop.environments.math_environment import DEFAULTS, MathEnvironment
+from envloop.environments.math_verification import math_equivalent
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.scripted_generation import ScriptedGeneration
+from tests.fixtures.batches import make_batch
+
+TIMEOUT_S = 1.0
+PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"
+CORRECT = "Environment: correct"
+INCORRECT = "Environment: incorrect"
+
+# (ground truth, response, correct?)
+CASES = [
+    ("1/2", r"so the answer is \boxed{0.5}", True),
+    ("1/2", r"\boxed{\frac{2}{4}}", True),
+    ("x^2+2x+1", r"\boxed{(x+1)^2}", True),
+    (r"\frac{\sqrt{3}}{2}", r"\boxed{\sin(\pi/3)}", True),
+    ("[1, 2)", r"\boxed{[1,2)}", True),
+    (3, r"\boxed{3}", True),  # numeric ground truths are compared as text
+    ("3", "The answer is 3", True),  # math-verify also reads an unboxed final expression
+    ("3", r"\boxed{4}", False),
+    ("3", r"\boxed{3} or \boxed{4}", False),
+    ("3", "The answer is 4", False),
+    ("3", "asdf qwer !!", False),
+    ("3", r"\boxed{3", False),
+    ("3", r"\boxed{}", False),
+    ("3", "", False),
+]
+
+
+def logs(*responses):
+    return [
+        [{"role": "user", "content": "Solve it."}, {"role": "assistant", "content": r}]
+        for r in responses
+    ]
+
+
+def truths(*values):
+    return [{"ground_truth": v} for v in values]
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = MathEnvironment({"verify_timeout_s": TIMEOUT_S})
+    yield env
+    env.shutdown()
+
+
+@pytest.fixture(scope="module")
+def multi_env():
+    env = MathEnvironment({"num_workers": 1, "verify_timeout_s": TIMEOUT_S, "reward_mode": "multi"})
+    yield env
+    env.shutdown()
+
+
+def test_rewards_and_observations_are_exact(env):
+    ret = env.step(logs(*[c[1] for c in CASES]), truths(*[c[0] for c in CASES]))
+    expected = [float(c[2]) for c in CASES]
+    assert ret.rewards.dtype == torch.float32
+    assert ret.rewards.tolist() == expected
+    assert [o["content"] for o in ret.observations] == [
+        CORRECT if c[2] else INCORRECT for c in CASES
+    ]
+    assert {o["role"] for o in ret.observations} == {"environment"}
+    assert ret.terminateds.tolist() == [True] * len(CASES)
+    assert ret.next_stop_strings == [None] * len(CASES)
+    assert ret.answers[:3] == ["0.5", r"\frac{2}{4}", "(x+1)^2"]
+    assert ret.answers[-4:] == [None, None, "", None]
+
+
+def test_metadata_comes_back_unchanged(env):
+    metadata = [{"ground_truth": "7", "source": "gsm8k", "id": 12}]
+    ret = env.step(logs(r"\boxed{7}"), metadata)
+    assert ret.metadata == [{"ground_truth": "7", "source": "gsm8k", "id": 12}]
+
+
+def test_unscorable_samples_get_zero_and_say_why(env):
+    batch = [
+        *logs(r"\boxed{1}", r"\boxed{1}", r"\boxed{1}", r"\boxed{1}"),
+        [{"role": "user", "content": "no answer at all"}],
+        [{"role": "assistant", "content": ["not", "text"]}],
+    ]
+    metadata = [None, {}, {"ground_truth": None}, {"ground_truth": ["1"]}, *truths("1", "1")]
+    ret = env.step(batch, metadata)
+    assert ret.rewards.tolist() == [0.0] * 6
+    why = "Environment: incorrect (no ground_truth in this sample's metadata)"
+    assert [o["content"] for o in ret.observations] == [why] * 4 + [INCORRECT] * 2
+    assert ret.terminateds.tolist() == [True] * 6
+
+
+def test_pathological_answer_times_out_alone(env):
+    before = env.pool.replaced
+    responses = [rf"\boxed{{{i if i % 3 else i + 1}}}" for i in range(24)]
+    expected = [float(math_equivalent((str(i), r))) for i, r in enumerate(responses)]
+    responses[5], expected[5] = PATHOLOGICAL, 0.0
+    ret = env.step(logs(*responses), truths(*range(24)))
+    assert ret.rewards.tolist() == expected
+    assert sum(expected) == 15.0
+    assert ret.observations[5]["content"] == (
+        f"Environment: incorrect (could not verify: TimeoutError: timed out after {TIMEOUT_S} s)"
+    )
+    assert ret.answers[5] == "9^{9^{9^{9}}}"
+    # The check was interrupted inside its worker, which goes on: nothing was replaced.
+    assert env.pool.replaced == before
+
+
+def _eight_samples():
+    values = list(range(8))
+    return logs(*[rf"\boxed{{{v}}}" for v in values]), truths(*values)
+
+
+def test_a_crashed_worker_is_replaced(env):
+    before = env.pool.replaced
+    worker = env.pool._workers[0].process
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    ret = env.step(*_eight_samples())
+    assert ret.rewards.tolist() == [1.0] * 8
+    assert env.pool.replaced == before + 1
+
+
+def test_a_stuck_worker_is_killed_and_only_its_sample_fails(env):
+    before = env.pool.replaced
+    os.kill(env.pool._workers[0].process.pid, signal.SIGSTOP)  # deaf even to the alarm
+    ret = env.step(*_eight_samples())  # sample 0 goes to the stopped worker
+    assert ret.rewards.tolist() == [0.0] + [1.0] * 7
+    assert ret.observations[0]["content"] == (
+        f"Environment: incorrect (could not verify: timed out after {2 * TIMEOUT_S} s)"
+    )
+    assert env.pool.replaced == before + 1
+    assert env.step(*_eight_samples()).rewards.tolist() == [1.0] * 8
+
+
+def test_multi_reward_components_are_exact(multi_env):
+    responses = [r"\boxed{0.5}", r"\boxed{3} or \boxed{4}", "The answer is 3", r"\boxed{7}", ""]
+    ret = multi_env.step(logs(*responses), truths("1/2", "3", "3", "3", "3"))
+    assert set(ret.rewards) == {"reward/correctness", "reward/format"}
+    assert ret.rewards["reward/correctness"].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert ret.rewards["reward/format"].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_metrics_are_exact(env):
+    ret = env.step(logs(r"\boxed{2}", "2", r"\boxed{5}", "no idea"), truths(2, 2, 2, 2))
+    batch = BatchedDataDict(
+        message_log=logs(r"\boxed{2}", "2", r"\boxed{5}", "no idea"), total_reward=ret.rewards
+    )
+    out, metrics = env.global_post_process_and_metrics(batch)
+    assert out is batch
+    assert metrics == {
+        "math_env/accuracy": 0.5,
+        "math_env/num_samples": 4,
+        "math_env/fraction_boxed": 0.5,
+    }
+
+
+def test_config_errors_name_every_bad_key():
+    with pytest.raises(ConfigError) as info:
+        MathEnvironment(
+            {
+                "num_worker": 2,
+                "verify_timeout_s": 0,
+                "reward_mode": "both",
+                "stop_strings": ["</answer>", 3],
+            }
+        )
+    assert info.value.problems == [
+        "num_worker: unknown option. Did you mean 'num_workers'?",
+        "verify_timeout_s: must be > 0 seconds, got 0",
+        "reward_mode: 'both' is not one of correctness, multi",
+        "stop_strings: every entry must be a string",
+    ]
+    with pytest.raises(ConfigError) as info:
+        MathEnvironment({"num_workers": 0, "verify_timeout_s": "10"})
+    assert info.value.problems == [
+        "verify_timeout_s: expected float, got str ('10')",
+        "num_workers: must be at least 1, got 0",
+    ]
+    with pytest.raises(ConfigError, match="config: expected a dict, got list"):
+        MathEnvironment([("num_workers", 2)])  # type: ignore[arg-type]
+
+
+def test_defaults():
+    assert DEFAULTS == {
+        "num_workers": 2,
+        "verify_timeout_s": 10.0,
+        "stop_strings": None,
+        "reward_mode": "correctness",
+    }
+
+
+def test_check_env_in_process(env, multi_env):
+    samples, metadata = logs(r"\boxed{0.5}", "x", ""), truths("1/2", "1", "2")
+    assert check_env(env, samples, metadata).rewards.tolist() == [1.0, 0.0, 0.0]
+    multi = check_env(multi_env, samples, metadata).rewards
+    assert multi["reward/format"].tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.ray
+def test_check_env_as_a_ray_actor(ray_session):
+    actor = ray_session.remote(MathEnvironment).options(num_cpus=0).remote({"num_workers": 1})
+    try:
+        ret = check_env(actor, logs(r"\boxed{0.5}", r"\boxed{2}"), truths("1/2", "3"))
+        assert ret.rewards.tolist() == [1.0, 0.0]
+        assert [o["content"] for o in ret.observations] == [CORRECT, INCORRECT]
+    finally:
+        ray_session.get(actor.shutdown.remote())
+        ray_session.kill(actor)
+
+
+QUESTIONS = {"Half as a decimal?": r"It is \boxed{0.5}", "Two plus two?": r"\boxed{5}"}
+
+
+def _respond(prompt: str) -> str:
+    return next(answer for question, answer in QUESTIONS.items() if question in prompt)
+
+
+def test_rollout_rewards_land_in_total_reward(env, multi_env, tiny_tokenizer):
+    samples = [
+        {"task": "math", "prompt": "Half as a decimal?", "metadata": {"ground_truth": "1/2"}},
+        {"task": "math", "prompt": "Two plus two?", "metadata": {"ground_truth": "4"}},
+    ]
+    policy = ScriptedGeneration(tiny_tokenizer, _respond)
+    batch = make_batch(tiny_tokenizer, samples)
+    final, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"math": env}, 256)
+    assert final["total_reward"].tolist() == [1.0, 0.0]
+    assert final["num_turns"].tolist() == [1, 1]
+    assert [log[-1]["content"] for log in final["message_log"]] == [CORRECT, INCORRECT]
+    _, metrics = env.global_post_process_and_metrics(final)
+    assert metrics["math_env/accuracy"] == 0.5
+    assert metrics["math_env/fraction_boxed"] == 1.0
+
+    final, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"math": multi_env}, 256)
+    assert final["total_reward"].tolist() == [2.0, 1.0]
+    assert final["reward/correctness"].tolist() == [1.0, 0.0]
+    assert final["reward/format"].tolist() == [1.0, 1.0]
+    assert multi_env.global_post_process_and_metrics(final)[1]["math_env/accuracy"] == 0.5
