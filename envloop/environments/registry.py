@@ -114,3 +114,16 @@ def _import_target(name: str, path: str) -> Any:
 
 def _describe(target: EnvTarget) -> str:
     return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+BUILTIN_ENVS: dict[str, str] = {
+    "math": "envloop.environments.math_environment:MathEnvironment",
+    "vlm": "envloop.environments.vlm_environment:VLMEnvironment",
+    "reward_model": "envloop.environments.reward_model_environment:RewardModelEnvironment",
+    "code": "envloop.environments.code_environment:CodeEnvironment",
+    "sliding_puzzle": "envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv",
+}
+"""The environments envloop ships, registered by import path (imported on first use)."""
+
+for _name, _path in BUILTIN_ENVS.items():
+    register_env(_name, _path)

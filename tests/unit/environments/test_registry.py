@@ -43,3 +43,13 @@ def test_bad_targets_are_explained():
     register_env("reg_not_env", "tests.fixtures.batches:make_batch", overwrite=True)
     with pytest.raises(TypeError, match="does not subclass"):
         get_env_class("reg_not_env")
+
+
+def test_builtins_are_registered_and_resolve():
+    from envloop.environments.interfaces import EnvironmentInterface
+    from envloop.environments.registry import BUILTIN_ENVS
+
+    assert set(BUILTIN_ENVS) == {"math", "vlm", "reward_model", "code", "sliding_puzzle"}
+    for name in BUILTIN_ENVS:
+        assert name in list_envs()
+        assert issubclass(get_env_class(name), EnvironmentInterface)
