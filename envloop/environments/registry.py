@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import difflib
-import importlib
 from typing import Any
 
 from envloop.environments.interfaces import EnvironmentInterface
+from envloop.import_paths import import_from_path
 
 EnvTarget = str | type[EnvironmentInterface]
 """An environment class, or its import path as ``"package.module:ClassName"``."""
@@ -57,7 +57,7 @@ def get_env_class(name: str) -> type[EnvironmentInterface]:
     if name not in _REGISTRY:
         raise ValueError(unknown_name_message("environment", name, list_envs()))
     target = _REGISTRY[name]
-    cls = _import_target(name, target) if isinstance(target, str) else target
+    cls = import_from_path(target, f"Environment {name!r}") if isinstance(target, str) else target
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(
             f"Environment {name!r} resolves to {cls!r}, which does not subclass "
@@ -94,22 +94,6 @@ def unknown_name_message(kind: str, name: str, known: list[str]) -> str:
     if close:
         message += f" Did you mean {close[0]!r}?"
     return message
-
-
-def _import_target(name: str, path: str) -> Any:
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(
-            f"Environment {name!r}: cannot import module {module_name!r} from {path!r} ({exc})."
-        ) from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError as exc:
-        raise ImportError(
-            f"Environment {name!r}: module {module_name!r} has no attribute {attr!r}."
-        ) from exc
 
 
 def _describe(target: EnvTarget) -> str:

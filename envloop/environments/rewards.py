@@ -16,7 +16,6 @@ that raises, or returns something other than B valid pairs, scores 0 on the samp
 on, and the error is reported in :attr:`RewardOutcome.errors`.
 """
 
-import importlib
 import inspect
 import math
 import numbers
@@ -31,6 +30,7 @@ from envloop.config_errors import ConfigError, typed_dict_problems
 from envloop.environments.answer_extraction import extract_tag, has_tag_pair
 from envloop.environments.math_verification import MathVerifier
 from envloop.environments.registry import unknown_name_message
+from envloop.import_paths import import_from_path
 
 Score = tuple[float, bool | None]
 """One response's ``(score in [0, 1], correct or None)``."""
@@ -172,20 +172,8 @@ math_expr. Did you mean 'format'? Custom functions go by import path 'package.mo
             raise ValueError(f"Reward function {name_or_path!r} lacks ':'. {hint}")
         known = sorted(REWARD_FUNCTIONS)
         raise ValueError(f"{unknown_name_message('reward function', name_or_path, known)} {hint}")
-    module_name, _, attr = name_or_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise ImportError(
-            f"Reward function {name_or_path!r}: cannot import module {module_name!r} ({exc}); "
-            "is its package installed or on PYTHONPATH (of Ray workers too)?"
-        ) from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ImportError(
-            f"Reward function {name_or_path!r}: {module_name} has no function {attr!r}."
-        )
-    return fn
+    what = f"Reward function {name_or_path!r}"
+    return import_from_path(name_or_path, what, "function", callable)
 
 
 def reward_config_problems(configs: Any, what: str = "reward_functions") -> list[str]:
