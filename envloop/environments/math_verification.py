@@ -14,6 +14,7 @@ main thread of a worker process of a :class:`~envloop.environments.process_pool.
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,9 @@ from typing import Any
 from math_verify import parse, verify
 
 from envloop.environments.process_pool import HardTimeoutPool, Outcome
+
+# math-verify warns once per process that its own timeouts are off: deliberate here.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
 def math_equivalent(pair: tuple[str, str]) -> bool:
