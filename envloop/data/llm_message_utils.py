@@ -131,9 +131,10 @@ def get_formatted_message_log(
 ) -> LLMMessageLogType:
     """Apply the tokenizer's chat template message by message.
 
-    Each returned message keeps its keys and gains ``content`` (its templated text) and
-    ``token_ids``, such that concatenating ``token_ids`` over the log equals tokenizing the
-    whole templated conversation (``tokenizer.apply_chat_template(log, tokenize=True)``).
+    Each returned message keeps its keys (``content`` stays the message's own text, which is
+    what environments see) and gains ``token_ids``: its part of the templated conversation,
+    such that concatenating ``token_ids`` over the log equals tokenizing the whole templated
+    conversation (``tokenizer.apply_chat_template(log, tokenize=True)``).
     With ``add_generation_prompt`` the assistant prefix is part of the last message.
     ``add_bos_token`` prepends BOS to the first message when the template did not;
     ``add_eos_token`` appends EOS to the last message when its tokens hold no EOS and no
@@ -148,8 +149,8 @@ def get_formatted_message_log(
     token_lists = tokenize_texts(tokenizer, deltas)
     _add_bos_eos(token_lists, tokenizer, add_bos_token, add_eos_token and not add_generation_prompt)
     return [
-        {**message, "content": delta, "token_ids": torch.tensor(ids, dtype=torch.long)}
-        for message, delta, ids in zip(message_log, deltas, token_lists)
+        {**message, "token_ids": torch.tensor(ids, dtype=torch.long)}
+        for message, ids in zip(message_log, token_lists)
     ]
 
 

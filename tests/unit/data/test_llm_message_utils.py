@@ -356,22 +356,21 @@ def test_formatted_token_ids_concatenate_to_the_whole_templated_conversation(
     assert _concat_ids(log) == chat_template_ids(
         chat_tokenizer, conversation, add_generation_prompt
     )
-    assert "".join(m["content"] for m in log) == render_chat(
+    assert "".join(chat_tokenizer.decode(m["token_ids"]) for m in log) == render_chat(
         chat_tokenizer, conversation, add_generation_prompt=add_generation_prompt
     )
     assert [m["role"] for m in log] == [m["role"] for m in conversation]
+    # content stays the message's own text: environments see plain role/content messages
+    assert [m["content"] for m in log] == [m["content"] for m in conversation]
     for m in log:
         assert m["token_ids"].dtype == torch.int64
-        assert m["token_ids"].tolist() == chat_tokenizer.encode(
-            m["content"], add_special_tokens=False
-        )
 
 
 def test_formatted_chatml_messages_hold_their_own_turns(tiny_tokenizer):
     log = get_formatted_message_log(
         CONVERSATIONS["system-user"], tiny_tokenizer, add_generation_prompt=True
     )
-    assert [m["content"] for m in log] == [
+    assert [tiny_tokenizer.decode(m["token_ids"]) for m in log] == [
         "<|im_start|>system\nYou are a calculator.<|im_end|>\n",
         "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n",
     ]
@@ -383,7 +382,7 @@ def test_formatted_chatml_messages_hold_their_own_turns(tiny_tokenizer):
 
 def test_formatted_llama3_messages_hold_their_own_turns(llama3_tokenizer):
     log = get_formatted_message_log(CONVERSATIONS["ends-with-assistant"], llama3_tokenizer)
-    assert [m["content"] for m in log] == [
+    assert [llama3_tokenizer.decode(m["token_ids"]) for m in log] == [
         "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nGuess the number<|eot_id|>",
         "<|start_header_id|>assistant<|end_header_id|>\n\n<guess>50</guess><|eot_id|>",
     ]
@@ -393,7 +392,8 @@ def test_formatted_message_log_keeps_other_keys_and_leaves_the_input_alone(tiny_
     conversation = [{"role": "user", "content": "hi", "extra": {"n": 1}}]
     log = get_formatted_message_log(conversation, tiny_tokenizer)
     assert log[0]["extra"] == {"n": 1}
-    assert log[0]["content"] == "<|im_start|>user\nhi<|im_end|>\n"
+    assert log[0]["content"] == "hi"
+    assert tiny_tokenizer.decode(log[0]["token_ids"]) == "<|im_start|>user\nhi<|im_end|>\n"
     assert conversation == [{"role": "user", "content": "hi", "extra": {"n": 1}}]
 
 
