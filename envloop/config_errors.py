@@ -19,9 +19,14 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, what: str, problems: Iterable[str]) -> None:
+        self.what = what
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"Invalid {what}:\n{lines}")
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[str]]]:
+        # Rebuilt from its parts, so it survives pickling (e.g. out of a Ray actor).
+        return (type(self), (self.what, self.problems))
 
 
 def unknown_keys(given: Iterable[str], known: Iterable[str]) -> list[str]:

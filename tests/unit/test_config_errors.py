@@ -39,3 +39,11 @@ def test_valid_mapping_builds_the_config():
     assert (
         config_from_mapping(RolloutOptions, {"env_step_timeout_s": 2}, "x").env_step_timeout_s == 2
     )
+
+
+def test_config_error_survives_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ConfigError("MathEnvConfig", ["num_workers: must be >= 1"])))
+    assert error.problems == ["num_workers: must be >= 1"]
+    assert str(error) == "Invalid MathEnvConfig:\n  - num_workers: must be >= 1"

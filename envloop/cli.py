@@ -1,0 +1,140 @@
+"""The ``envloop`` command.
+
+    envloop run CONFIG.yaml [key=value ...] [--quiet]   roll out, write a run directory
+    envloop envs [NAME ...]                             registered environments and configs
+    envloop check-env module:Class [--config ...]       check an environment's contract
+    envloop report RUN_DIR                              rebuild RUN_DIR/report.html
+    envloop reverify RUN_DIR                            re-score stored rollouts
+
+Exit status: 0 on success, 1 when the work failed (a broken environment, a failed run),
+2 for a bad command line or config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from envloop.config_errors import ConfigError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return int(exc.code or 0)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # module:Class paths import from here, as with python -m
+    try:
+        return int(args.handler(args))
+    except ConfigError as exc:
+        print(f"envloop {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as exc:
+        print(f"envloop {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser; each subcommand sets ``handler`` (a function of the args)."""
+    from envloop import cli_envs
+
+    parser = argparse.ArgumentParser(prog="envloop", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="roll out a policy against environments")
+    run.add_argument("config", help="YAML config (see the README's config reference)")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.max_turns=4")
+    run.add_argument("-q", "--quiet", action="store_true", help="log lines, no live progress bar")
+    run.set_defaults(handler=_run)
+
+    envs = commands.add_parser("envs", help="list registered environments and their configs")
+    envs.add_argument("names", nargs="*", help="only these environments")
+    envs.set_defaults(handler=cli_envs.list_command)
+
+    check = commands.add_parser("check-env", help="run the environment contract checker")
+    check.add_argument("target", help="module:Class, or a registered environment name")
+    check.add_argument("--config", help="the environment's config as YAML/JSON text or a file")
+    check.add_argument(
+        "--sample-jsonl", help='samples, one per line: {"messages": [...], "metadata": {...}}'
+    )
+    check.add_argument("--ray", action="store_true", help="also check it as a Ray actor")
+    check.set_defaults(handler=cli_envs.check_command)
+
+    report = commands.add_parser("report", help="rebuild RUN_DIR/report.html")
+    report.add_argument("run_dir")
+    report.set_defaults(handler=_report)
+
+    reverify = commands.add_parser("reverify", help="re-score stored rollouts, show changes")
+    reverify.add_argument("run_dir")
+    reverify.set_defaults(handler=_reverify)
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from envloop.run import run
+    from envloop.run_config import load_run_config
+    from envloop.run_metrics import summary_table
+
+    config = load_run_config(args.config, args.overrides)
+    hf_logging.disable_progress_bar()  # our own progress is the one to watch
+    result = run(config, quiet=args.quiet)
+    print(summary_table(result.stats))
+    print(f"run directory: {result.run_dir}")
+    build_report = _optional_import("envloop.report", "build_report")
+    if build_report is None:
+        print("report.html: not built (envloop.report is not available)")
+    else:
+        print(f"report: {build_report(result.run_dir)}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    build_report = _optional_import("envloop.report", "build_report")
+    if build_report is None:
+        print("envloop report: envloop.report is not available in this install", file=sys.stderr)
+        return 1
+    print(f"report: {build_report(args.run_dir)}")
+    return 0
+
+
+def _reverify(args: argparse.Namespace) -> int:
+    reverify_run = _optional_import("envloop.reverify", "reverify_run")
+    if reverify_run is None:
+        print(
+            "envloop reverify: envloop.reverify is not available in this install", file=sys.stderr
+        )
+        return 1
+    summary = reverify_run(args.run_dir)
+    describe = _optional_import("envloop.reverify", "format_reverify")
+    if describe is not None:
+        print(describe(summary))
+    else:
+        import json
+
+        print(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _optional_import(module: str, name: str) -> Any:
+    """``module.name``, or None when the module is not there (other import errors raise)."""
+    import importlib
+
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        return None
+    return getattr(loaded, name, None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""``envloop run``: a config in, a run directory out.
+
+The steps: load the prompts -> start (or join) Ray -> start one environment actor per task
+-> load the policy meanwhile -> tokenize the prompts -> wait for the actors -> roll out
+``rollout.batch_size`` samples at a time (progress after each batch), appending to the
+rollout files -> each environment's ``global_post_process_and_metrics`` -> ``metrics.json``.
+The command line then prints the summary table and builds ``report.html``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from envloop.data.datasets import build_rollout_batch, load_prompt_samples
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
+from envloop.progress import Progress
+from envloop.run_config import RunConfig
+from envloop.run_config_checks import resolve_model
+from envloop.run_config_sections import PolicyConfig, RayConfig
+from envloop.run_envs import env_metrics, start_envs, stop_envs, wait_until_ready
+from envloop.run_metrics import TaskStats, combine_rollout_metrics, per_task_metrics
+from envloop.run_outputs import RunWriter
+from envloop.run_records import TOKEN_KEYS, sample_records
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced."""
+
+    run_dir: Path
+    stats: dict[str, TaskStats]  # per task: samples, mean reward, mean turns
+    metrics: dict[str, Any]  # what metrics.json holds
+
+
+def run(config: RunConfig, *, quiet: bool = False, stream: IO[str] | None = None) -> RunResult:
+    """Run ``config`` (see the module docstring); progress goes to ``stream`` (stdout)."""
+    out = stream if stream is not None else sys.stdout
+    started = time.perf_counter()
+    tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
+    samples = load_prompt_samples(config.data, tasks)
+    out.write(f"{len(samples)} prompts from {config.data.path}, tasks: {', '.join(tasks)}\n")
+    ray_started = start_ray(config.ray)
+    policy: HfGeneration | None = None
+    envs: dict[str, Any] = {}
+    try:
+        envs = start_envs(config.envs)  # they start while the policy loads
+        policy = make_policy(config.policy)
+        stops = {task: env.stop_strings for task, env in config.envs.items()}
+        gens = config.rollout.generations_per_prompt
+        batch = build_rollout_batch(samples, policy.tokenizer, gens, stops)
+        wait_until_ready(envs, config.envs)
+        return _roll_out(config, policy, batch, envs, Progress(batch.size, out, quiet), started)
+    finally:
+        stop_envs(envs)
+        if policy is not None:
+            policy.shutdown()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+
+
+def make_policy(policy: PolicyConfig) -> HfGeneration:
+    """The policy of ``policy`` (``bundled:`` paths resolved)."""
+    tokenizer = resolve_model(policy.tokenizer) if policy.tokenizer else None
+    return HfGeneration(
+        HfGenerationConfig(
+            model_name=resolve_model(policy.model),
+            tokenizer_name=tokenizer,
+            device=policy.device,
+            dtype=policy.dtype,
+            temperature=policy.temperature,
+            top_p=policy.top_p,
+            top_k=policy.top_k,
+            max_new_tokens=policy.max_new_tokens,
+            micro_batch_size=policy.micro_batch_size,
+            seed=policy.seed,
+            num_workers=policy.num_workers,
+        )
+    )
+
+
+def start_ray(ray_config: RayConfig) -> bool:
+    """Join or start Ray; True when this call started a local session (to shut down
+    later). A local session's workers get the current directory on their PYTHONPATH, so
+    environments given as ``module:Class`` import there as they do here."""
+    import ray
+
+    from envloop.distributed.ray_utils import init_ray
+
+    if ray.is_initialized():
+        return False
+    if not (ray_config.address or os.environ.get("RAY_ADDRESS")):
+        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    init_ray(ray_config.address, ray_config.num_cpus, log_to_driver=ray_config.log_to_driver)
+    return True
+
+
+def _roll_out(
+    config: RunConfig,
+    policy: HfGeneration,
+    batch: BatchedDataDict[Any],
+    envs: dict[str, Any],
+    progress: Progress,
+    started: float,
+) -> RunResult:
+    rollout, parts, kept = config.rollout, [], []
+    with RunWriter(config.output.dir) as writer:
+        writer.write_config(config.to_dict())
+        progress.start()
+        for start in range(0, batch.size, rollout.batch_size):
+            part = batch.slice(start, start + rollout.batch_size)
+            final, metrics = run_multi_turn_rollout(
+                policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns,
+                greedy=rollout.greedy, observation_format=rollout.observation_format,
+                on_env_error=rollout.on_env_error, env_step_timeout_s=rollout.env_step_timeout_s,
+            )  # fmt: skip
+            records = sample_records(final, start)
+            writer.add(records)
+            progress.update(records)
+            parts.append((metrics, part.size))
+            kept += [{k: v for k, v in r.items() if k not in TOKEN_KEYS} for r in records]
+        progress.close()
+        metrics = {
+            "rollout": combine_rollout_metrics(parts),
+            "envs": env_metrics(envs, kept),
+            "per_task": per_task_metrics(progress.stats),
+            "wall_time_s": time.perf_counter() - started,
+        }
+        writer.write_metrics(metrics)
+    return RunResult(Path(config.output.dir), progress.stats, metrics)

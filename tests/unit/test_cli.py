@@ -1,0 +1,110 @@
+"""The ``envloop`` command line: parsing, ``envs``, ``check-env``, config errors, wiring.
+
+The full ``run`` / ``report`` / ``reverify`` cycle on tiny models is in
+tests/integration/test_cli_run.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from envloop.cli import _optional_import, main
+
+
+def test_help_and_usage_errors(capsys):
+    assert main(["--help"]) == 0
+    assert "check-env" in capsys.readouterr().out
+    assert main([]) == 2
+    assert main(["fly"]) == 2
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_envs_lists_config_fields_and_defaults(capsys):
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert "math  (envloop.environments.math_environment:MathEnvironment)" in out
+    assert "sliding_puzzle  (envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv)" in out
+    math = out.split("math  (")[1].split("\n\n")[0].splitlines()[1:]
+    assert [line.split()[:3] for line in math] == [
+        ["num_workers", "int", "2"],
+        ["verify_timeout_s", "float", "10.0"],
+        ["stop_strings", "list", "of"],
+        ["reward_mode", "one", "of"],
+    ]
+    assert '"correctness"  one reward, or correctness + format' in math[3]
+    assert main(["envs", "mth"]) == 1
+    assert "Did you mean 'math'?" in capsys.readouterr().out
+
+
+def test_check_env_passes_a_good_environment(capsys):
+    assert main(["check-env", "math", "--config", "{num_workers: 1}"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "OK: MathEnvironment keeps the environment contract on 2 samples",
+        "  sample 0: reward 1; environment: 'Environment: correct'",
+        "  sample 1: reward 0; environment: 'Environment: incorrect'",
+    ]
+
+
+def test_check_env_with_samples_from_a_file(tmp_path, capsys):
+    board = {"board": [[1, 2], [0, 3]], "size": 2, "moves_made": 0, "invalid_moves": 0,
+             "max_moves": 5, "seed": 0}  # fmt: skip
+    sample = {"messages": [{"role": "user", "content": "Solve."},
+                           {"role": "assistant", "content": "<action>left</action>"}],
+              "metadata": board}  # fmt: skip
+    path = tmp_path / "samples.jsonl"
+    path.write_text(json.dumps(sample) + "\n")
+    target = "envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv"
+    assert main(["check-env", target, "--sample-jsonl", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "OK: SlidingPuzzleEnv keeps the environment contract on 1 samples"
+    assert out[1].startswith("  sample 0: reward 1; user: ") and "Solved in 1 move!" in out[1]
+
+
+def test_check_env_reports_broken_environments(capsys, tmp_path):
+    assert main(["check-env", "tests.fixtures.envs:BadContractEnv"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED: BadContractEnv breaks the environment contract:")
+    assert main(["check-env", "math", "--config", "{num_workers: 0}"]) == 1
+    assert "FAILED: MathEnvironment(config) raised ConfigError" in capsys.readouterr().out
+    assert main(["check-env", "tests.fixtures.envs:Missing"]) == 1
+    assert "module tests.fixtures.envs has no class 'Missing'" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"metadata": {}}\n')
+    assert main(["check-env", "math", "--sample-jsonl", str(tmp_path / "bad.jsonl")]) == 1
+    assert "bad.jsonl, line 1: expected" in capsys.readouterr().err
+
+
+def test_run_config_errors_name_dotted_keys(tmp_path, tiny_policy_dir, capsys):
+    (tmp_path / "d.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"policy: {{model: {tiny_policy_dir}, tempreature: 2}}\n"
+        "data: {path: d.jsonl}\nenvs: {math: {name: math}}\nrollout: {max_turns: four}\n"
+    )
+    assert main(["run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "policy.tempreature: unknown option. Did you mean 'temperature'?" in err
+    assert "rollout.max_turns: expected int, got 'four'" in err
+    fixed = ["policy.tempreature=null", "rollout.max_turns=2"]
+    assert main(["run", str(config), *fixed]) == 2
+    assert "policy.tempreature: unknown option" in capsys.readouterr().err  # null is a value too
+    config.write_text(f"policy: {{model: {tiny_policy_dir}}}\ndata: {{path: d.jsonl}}\n"
+                      "envs: {math: {name: math}}\n")  # fmt: skip
+    assert main(["run", str(config)]) == 2
+    assert "data.columns.prompt: no column 'prompt' in the dataset (columns: question, answer)" in (
+        capsys.readouterr().err
+    )
+    columns = ["data.columns.prompt=question", "data.columns.ground_truth=answer"]
+    assert main(["run", str(config), *columns]) == 2
+    assert "row 1 (line 2 of d.jsonl): no ground truth (column 'answer'" in capsys.readouterr().err
+
+
+def test_report_and_reverify_say_when_their_modules_are_missing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "envloop.report", None)
+    monkeypatch.setitem(sys.modules, "envloop.reverify", None)
+    assert main(["report", str(tmp_path)]) == 1
+    assert "envloop.report is not available" in capsys.readouterr().err
+    assert main(["reverify", str(tmp_path)]) == 1
+    assert "envloop.reverify is not available" in capsys.readouterr().err
+    assert _optional_import("json", "dumps") is json.dumps
+    assert _optional_import("tests.fixtures.no_such_module_here", "x") is None
