@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from envloop.data.jsonl import read_json_objects
+
 CONFIG_FILE = "config.yaml"
 ROLLOUTS_FILE = "rollouts.jsonl"
 METRICS_FILE = "metrics.json"
@@ -44,19 +46,10 @@ def load_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every sample's record from ``rollouts.jsonl``, in file order. A line that is not a
     JSON object raises ValueError naming its line number."""
     path = run_path(run_dir, ROLLOUTS_FILE)
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}, line {number}: not valid JSON ({exc}).") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}, line {number}: expected a JSON object per sample.")
-            records.append(record)
-    return records
+    try:
+        return [record for _, record in read_json_objects(path)]
+    except ValueError as exc:
+        raise ValueError(f"{path.parent}: {exc}; expected a JSON object per sample.") from exc
 
 
 def load_metrics(run_dir: str | Path) -> dict[str, Any]:

@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from envloop.config_errors import ConfigError
+from envloop.data.jsonl import read_json_objects
 
 FORMATS = ("jsonl", "parquet", "hf_disk", "hf_hub")
 _HF_DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -80,24 +80,11 @@ def detect_format(path: str) -> str:
 
 
 def _read_jsonl(path: Path) -> Source:
-    rows, lines = [], []
-    with path.open(encoding="utf-8") as file:
-        for number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(
-                    "data", [f"data.path: line {number} of {path.name} is not valid JSON ({exc})"]
-                ) from exc
-            if not isinstance(row, dict):
-                raise ConfigError(
-                    "data", [f"data.path: line {number} of {path.name} is not a JSON object"]
-                )
-            rows.append(row)
-            lines.append(number)
-    return Source(rows, path.name, lines)
+    try:
+        numbered = read_json_objects(path)
+    except ValueError as exc:
+        raise ConfigError("data", [f"data.path: {exc}"]) from exc
+    return Source([row for _, row in numbered], path.name, [number for number, _ in numbered])
 
 
 def _from_hf(dataset: Any, name: str, split: str) -> Source:
