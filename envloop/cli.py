@@ -35,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"envloop {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (envloop envs | head): not an error
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (so the exit-time flush is silent)
+        return 0
     except (FileNotFoundError, ImportError, RuntimeError, ValueError) as exc:
         print(f"envloop {args.command}: error: {exc}", file=sys.stderr)
         return 1

@@ -3,9 +3,12 @@
 Each sample's last assistant message is compared with its ground truth by math-verify
 (:func:`~envloop.environments.math_verification.math_equivalent`: the last ``\\boxed{}`` or,
 failing that, the last expression of the response), in ``num_workers`` worker processes.
-Every sample gets reward 1.0 (correct) or 0.0 and the episode ends; the observation is
-``"Environment: correct"`` or ``"Environment: incorrect"``, with the reason appended when the
-sample could not be checked (no ground truth, check timed out or failed).
+Every sample gets reward 1.0 (correct) or 0.0; the observation is ``"Environment: correct"``
+or ``"Environment: incorrect"``, with the reason appended when the sample could not be checked
+(no ground truth, check timed out or failed). The episode ends on a correct answer or after
+``max_attempts`` answers (default 1: one answer per episode). With more attempts, an
+incorrect answer is a turn of reward 0 and the policy answers again after the verdict, so
+an episode's total reward is 1.0 exactly when one of its attempts was right.
 
 ``reward_mode="multi"`` returns two components instead: ``reward/correctness`` (as above) and
 ``reward/format``, 1.0 when the response holds exactly one well-formed ``\\boxed{...}``.
@@ -37,6 +40,7 @@ class MathEnvConfig(TypedDict, total=False):
     verify_timeout_s: float  # a sample's check is stopped after this long and scores 0 (10)
     stop_strings: list[str] | None  # stop strings for a next turn (default None: EOS only)
     reward_mode: Literal["correctness", "multi"]  # one reward, or correctness + format
+    max_attempts: int  # answers per episode; after a wrong one the policy tries again (1)
 
 
 DEFAULTS: MathEnvConfig = {
@@ -44,6 +48,7 @@ DEFAULTS: MathEnvConfig = {
     "verify_timeout_s": 10.0,
     "stop_strings": None,
     "reward_mode": "correctness",
+    "max_attempts": 1,
 }
 
 
@@ -70,7 +75,8 @@ class MathEnvironment(EnvironmentInterface):
         **kwargs: Any,
     ) -> EnvironmentReturn:
         """Check every sample's last assistant message; rewards [B] float32 (or a dict of
-        ``reward/correctness`` and ``reward/format``, each [B]); all samples terminate."""
+        ``reward/correctness`` and ``reward/format``, each [B]); a sample terminates when
+        it is correct or has used its ``max_attempts`` answers."""
         responses = [_last_assistant_text(log) for log in message_log_batch]
         truths = [_ground_truth(md) for md in metadata]
         outcomes = self.check([(t, r) for t, r in zip(truths, responses) if t is not None])
@@ -78,12 +84,13 @@ class MathEnvironment(EnvironmentInterface):
         results = [next(verdicts) if t is not None else None for t in truths]
         correct = torch.tensor([r is not None and r.value is True for r in results])
         n = len(responses)
+        attempts = torch.tensor([_count_assistant(log) for log in message_log_batch])
         return EnvironmentReturn(
             observations=[{"role": "environment", "content": _verdict(r)} for r in results],
             metadata=list(metadata),
             next_stop_strings=[self.config["stop_strings"]] * n,
             rewards=self._rewards(correct.float(), responses),
-            terminateds=torch.ones(n, dtype=torch.bool),
+            terminateds=correct | (attempts >= self.config["max_attempts"]),
             answers=[extract_boxed(r) for r in responses],
         )
 
@@ -102,16 +109,19 @@ class MathEnvironment(EnvironmentInterface):
         self, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, float | int]]:
         """Metrics ``math_env/accuracy`` (from ``reward/correctness`` when present, else
-        ``total_reward`` > 0), ``math_env/num_samples`` and ``math_env/fraction_boxed``."""
+        ``total_reward`` > 0), ``math_env/num_samples``, ``math_env/fraction_boxed`` (of
+        final answers) and ``math_env/mean_attempts`` (answers per episode)."""
         correctness = batch.get("reward/correctness", batch["total_reward"])
         responses = [_last_assistant_text(log) for log in batch["message_log"]]
         n = max(len(responses), 1)
         correct = int((torch.as_tensor(correctness) > 0).sum())
         boxed = sum(extract_boxed(r) is not None for r in responses)
+        attempts = sum(_count_assistant(log) for log in batch["message_log"])
         return batch, {
             "math_env/accuracy": correct / n,
             "math_env/num_samples": len(responses),
             "math_env/fraction_boxed": boxed / n,
+            "math_env/mean_attempts": attempts / n,
         }
 
     def shutdown(self) -> None:
@@ -148,6 +158,11 @@ def _last_assistant_text(log: LLMMessageLogType) -> str:
     return texts[-1] if texts and isinstance(texts[-1], str) else ""
 
 
+def _count_assistant(log: LLMMessageLogType) -> int:
+    """Answers given so far (at least 1: a step follows a response)."""
+    return max(sum(m.get("role") == "assistant" for m in log), 1)
+
+
 def _ground_truth(metadata: Any) -> str | None:
     truth = metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
     ok = isinstance(truth, (str, int, float)) and not isinstance(truth, bool)
@@ -163,6 +178,9 @@ def _config_problems(config: Any) -> list[str]:
         problems.append(f"num_workers: must be at least 1, got {workers}")
     if isinstance(timeout, (int, float)) and timeout <= 0:
         problems.append(f"verify_timeout_s: must be > 0 seconds, got {timeout}")
+    attempts = config.get("max_attempts", 1)
+    if isinstance(attempts, int) and attempts < 1:
+        problems.append(f"max_attempts: must be at least 1, got {attempts}")
     if config.get("reward_mode", "correctness") not in ("correctness", "multi"):
         problems.append(f"reward_mode: {config['reward_mode']!r} is not one of correctness, multi")
     stops = config.get("stop_strings")

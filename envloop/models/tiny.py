@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
@@ -39,8 +39,28 @@ def build_tiny_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
 
     EOS is ``<|im_end|>`` (as in ChatML chat models) and the pad token ``<|endoftext|>``.
     """
+    return train_chatml_tokenizer(TRAINING_CORPUS * 4, vocab_size)
+
+
+def train_chatml_tokenizer(
+    texts: list[str], vocab_size: int, digits_apart: bool = False
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on ``texts``, with the ChatML template, EOS ``<|im_end|>`` and
+    pad ``<|endoftext|>``. ``digits_apart``: every digit is a token of its own (with the
+    space before it, if any), so a model reads and writes numbers digit by digit.
+
+    >>> train_chatml_tokenizer(["12 + 345 = 357"] * 4, 300, digits_apart=True).tokenize("1234")
+    ['1', '2', '3', '4']
+    """
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.pre_tokenizer = (
+        pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r" ?\p{N}"), behavior="isolated"), byte_level]
+        )
+        if digits_apart
+        else byte_level
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -48,7 +68,7 @@ def build_tiny_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(TRAINING_CORPUS * 4, trainer=trainer)
+    backend.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token="<|im_end|>",

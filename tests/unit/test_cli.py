@@ -7,6 +7,8 @@ tests/integration/test_cli_run.py.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 from envloop.cli import _optional_import, main
@@ -31,10 +33,23 @@ def test_envs_lists_config_fields_and_defaults(capsys):
         ["verify_timeout_s", "float", "10.0"],
         ["stop_strings", "list", "of"],
         ["reward_mode", "one", "of"],
+        ["max_attempts", "int", "1"],
     ]
     assert '"correctness"  one reward, or correctness + format' in math[3]
     assert main(["envs", "mth"]) == 1
     assert "Did you mean 'math'?" in capsys.readouterr().out
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``envloop envs | head -1``: the reader is gone before the output is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    code = "import sys; from envloop.cli import main; sys.exit(main(['envs']))"
+    child = subprocess.run(
+        [sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, text=True
+    )
+    os.close(write_end)
+    assert (child.returncode, child.stderr) == (0, "")
 
 
 def test_check_env_passes_a_good_environment(capsys):

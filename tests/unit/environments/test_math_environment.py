@@ -165,6 +165,7 @@ def test_metrics_are_exact(env):
         "math_env/accuracy": 0.5,
         "math_env/num_samples": 4,
         "math_env/fraction_boxed": 0.5,
+        "math_env/mean_attempts": 1.0,
     }
 
 
@@ -185,10 +186,11 @@ def test_config_errors_name_every_bad_key():
         "stop_strings: every entry must be a string",
     ]
     with pytest.raises(ConfigError) as info:
-        MathEnvironment({"num_workers": 0, "verify_timeout_s": "10"})
+        MathEnvironment({"num_workers": 0, "verify_timeout_s": "10", "max_attempts": 0})
     assert info.value.problems == [
         "verify_timeout_s: expected float, got str ('10')",
         "num_workers: must be at least 1, got 0",
+        "max_attempts: must be at least 1, got 0",
     ]
     with pytest.raises(ConfigError, match="config: expected a dict, got list"):
         MathEnvironment([("num_workers", 2)])  # type: ignore[arg-type]
@@ -200,6 +202,7 @@ def test_defaults():
         "verify_timeout_s": 10.0,
         "stop_strings": None,
         "reward_mode": "correctness",
+        "max_attempts": 1,
     }
 
 
@@ -249,3 +252,31 @@ def test_rollout_rewards_land_in_total_reward(env, multi_env, tiny_tokenizer):
     assert final["reward/correctness"].tolist() == [1.0, 0.0]
     assert final["reward/format"].tolist() == [1.0, 1.0]
     assert multi_env.global_post_process_and_metrics(final)[1]["math_env/accuracy"] == 0.5
+
+
+def test_max_attempts_retries_after_incorrect_until_right_or_out_of_attempts(tiny_tokenizer):
+    """A policy that answers 5, then 4, then 4: the first question is right on its second
+    try, the second (truth 7) uses all three attempts; every verdict is in the log."""
+    samples = [
+        {"task": "math", "prompt": "Two plus two?", "metadata": {"ground_truth": "4"}},
+        {"task": "math", "prompt": "Three plus four?", "metadata": {"ground_truth": "7"}},
+    ]
+
+    def respond(conversation: str) -> str:
+        return r"\boxed{5}" if conversation.count(INCORRECT) == 0 else r"\boxed{4}"
+
+    env = MathEnvironment({"num_workers": 1, "max_attempts": 3})
+    try:
+        batch = make_batch(tiny_tokenizer, samples)
+        policy = ScriptedGeneration(tiny_tokenizer, respond)
+        final, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"math": env}, 256, 5)
+        assert final["total_reward"].tolist() == [1.0, 0.0]
+        assert final["num_turns"].tolist() == [2, 3]
+        assert list(final["turn_rewards"]) == [[0.0, 1.0], [0.0, 0.0, 0.0]]
+        verdicts = [[m["content"] for m in log if m["role"] == "environment"]
+                    for log in final["message_log"]]  # fmt: skip
+        assert verdicts == [[INCORRECT, CORRECT], [INCORRECT] * 3]
+        _, metrics = env.global_post_process_and_metrics(final)
+        assert (metrics["math_env/accuracy"], metrics["math_env/mean_attempts"]) == (0.5, 2.5)
+    finally:
+        env.shutdown()
