@@ -20,7 +20,7 @@ test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(BIN)/python examples/multi_turn_calculator.py
+	RAY_AUTH_MODE=disabled $(BIN)/envloop run examples/demo.yaml
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -14,7 +14,6 @@ from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_NAMES = ("policy", "reward_model")
-PREFIX = "bundled:"
 
 
 def bundled_path(name: str) -> Path:
@@ -29,7 +28,7 @@ def bundled_path(name: str) -> Path:
     if name not in BUNDLED_NAMES:
         raise ValueError(
             f"No bundled model {name!r}; the bundled models are {', '.join(BUNDLED_NAMES)} "
-            f"(write e.g. '{PREFIX}policy')."
+            "(write e.g. 'bundled:policy')."
         )
     folder = ASSETS / name
     if not (folder / "config.json").is_file():
@@ -38,12 +37,3 @@ def bundled_path(name: str) -> Path:
             f"scripts/train_demo_{name}.py."
         )
     return folder
-
-
-def resolve_model_path(path: str) -> str:
-    """``bundled:<name>`` as the bundled folder's path; any other string unchanged.
-
-    >>> resolve_model_path("Qwen/Qwen3-0.6B")
-    'Qwen/Qwen3-0.6B'
-    """
-    return str(bundled_path(path[len(PREFIX) :])) if path.startswith(PREFIX) else path
