@@ -86,4 +86,11 @@ class ObservationRenderer:
         _, found, after = text.partition(_ASSISTANT_MARK)
         if not found:
             raise ValueError("The chat template dropped the assistant message's content.")
+        if content.strip() not in after:  # e.g. Qwen templates skip roles they do not know
+            raise ValueError(
+                f"The chat template drops messages with role {role!r}, so the observation "
+                "would vanish from the sequence. Return observations with a role the template "
+                "renders (often 'user' or 'tool'; the math environment's is set by its "
+                "observation_role), or use observation_format='raw'."
+            )
         return after

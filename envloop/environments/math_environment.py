@@ -41,6 +41,7 @@ class MathEnvConfig(TypedDict, total=False):
     stop_strings: list[str] | None  # stop strings for a next turn (default None: EOS only)
     reward_mode: Literal["correctness", "multi"]  # one reward, or correctness + format
     max_attempts: int  # answers per episode; after a wrong one the policy tries again (1)
+    observation_role: str  # role of the verdicts; "user" for Qwen templates ("environment")
 
 
 DEFAULTS: MathEnvConfig = {
@@ -49,6 +50,7 @@ DEFAULTS: MathEnvConfig = {
     "stop_strings": None,
     "reward_mode": "correctness",
     "max_attempts": 1,
+    "observation_role": "environment",
 }
 
 
@@ -85,8 +87,9 @@ class MathEnvironment(EnvironmentInterface):
         correct = torch.tensor([r is not None and r.value is True for r in results])
         n = len(responses)
         attempts = torch.tensor([_count_assistant(log) for log in message_log_batch])
+        role = self.config["observation_role"]
         return EnvironmentReturn(
-            observations=[{"role": "environment", "content": _verdict(r)} for r in results],
+            observations=[{"role": role, "content": _verdict(r)} for r in results],
             metadata=list(metadata),
             next_stop_strings=[self.config["stop_strings"]] * n,
             rewards=self._rewards(correct.float(), responses),
@@ -181,6 +184,8 @@ def _config_problems(config: Any) -> list[str]:
     attempts = config.get("max_attempts", 1)
     if isinstance(attempts, int) and attempts < 1:
         problems.append(f"max_attempts: must be at least 1, got {attempts}")
+    if config.get("observation_role", "environment") == "":
+        problems.append("observation_role: must be a role name such as 'environment' or 'user'")
     if config.get("reward_mode", "correctness") not in ("correctness", "multi"):
         problems.append(f"reward_mode: {config['reward_mode']!r} is not one of correctness, multi")
     stops = config.get("stop_strings")

@@ -34,6 +34,7 @@ def test_envs_lists_config_fields_and_defaults(capsys):
         ["stop_strings", "list", "of"],
         ["reward_mode", "one", "of"],
         ["max_attempts", "int", "1"],
+        ["observation_role", "str", '"environment"'],
     ]
     assert '"correctness"  one reward, or correctness + format' in math[3]
     assert main(["envs", "mth"]) == 1

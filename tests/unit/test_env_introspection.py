@@ -34,7 +34,7 @@ class _Env:
 def test_fields_defaults_and_comments():
     assert env_config_spec(MathEnvironment) is MathEnvConfig
     assert env_defaults(MathEnvironment)["verify_timeout_s"] == 10.0
-    assert env_config_fields(MathEnvironment)[-1] == EnvConfigField(
+    assert env_config_fields(MathEnvironment)[3] == EnvConfigField(
         "reward_mode",
         "one of correctness, multi",
         "correctness",

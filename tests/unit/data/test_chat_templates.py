@@ -11,6 +11,7 @@ from envloop.data.chat_templates import ObservationRenderer, render_chat
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.data.tokenization import tokenize_texts
 from tests.fixtures.chat_templates import (
+    CHATML_KNOWN_ROLES_TEMPLATE,
     CHATML_STRICT_ROLES_TEMPLATE,
     CHATML_TRIM_TEMPLATE,
     PLAIN_TEMPLATE,
@@ -187,6 +188,20 @@ def test_a_template_that_trims_content_is_still_exact():
         rollout.respond("The answer is 84.", ended_with_eos=True)
         rollout.observe("user", " correct ")
         assert rollout.ids == chat_template_ids(tokenizer, rollout.conversation, True)
+
+
+def test_a_template_that_skips_the_role_raises_instead_of_losing_the_observation():
+    tokenizer = build_chatml_tokenizer(CHATML_KNOWN_ROLES_TEMPLATE)
+    renderer = ObservationRenderer(tokenizer)
+    message = (
+        "The chat template drops messages with role 'environment', so the observation would "
+        "vanish from the sequence. Return observations with a role the template renders"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        renderer.render("environment", "Environment: incorrect", response_ended_with_eos=True)
+    assert renderer.render("tool", "84", response_ended_with_eos=False) == (
+        "<|im_end|>\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_template_that_rejects_the_role_raises_a_clear_error():

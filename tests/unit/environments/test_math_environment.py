@@ -186,11 +186,14 @@ def test_config_errors_name_every_bad_key():
         "stop_strings: every entry must be a string",
     ]
     with pytest.raises(ConfigError) as info:
-        MathEnvironment({"num_workers": 0, "verify_timeout_s": "10", "max_attempts": 0})
+        MathEnvironment(
+            {"num_workers": 0, "verify_timeout_s": "10", "max_attempts": 0, "observation_role": ""}
+        )
     assert info.value.problems == [
         "verify_timeout_s: expected float, got str ('10')",
         "num_workers: must be at least 1, got 0",
         "max_attempts: must be at least 1, got 0",
+        "observation_role: must be a role name such as 'environment' or 'user'",
     ]
     with pytest.raises(ConfigError, match="config: expected a dict, got list"):
         MathEnvironment([("num_workers", 2)])  # type: ignore[arg-type]
@@ -203,6 +206,7 @@ def test_defaults():
         "stop_strings": None,
         "reward_mode": "correctness",
         "max_attempts": 1,
+        "observation_role": "environment",
     }
 
 
@@ -265,7 +269,7 @@ def test_max_attempts_retries_after_incorrect_until_right_or_out_of_attempts(tin
     def respond(conversation: str) -> str:
         return r"\boxed{5}" if conversation.count(INCORRECT) == 0 else r"\boxed{4}"
 
-    env = MathEnvironment({"num_workers": 1, "max_attempts": 3})
+    env = MathEnvironment({"num_workers": 1, "max_attempts": 3, "observation_role": "user"})
     try:
         batch = make_batch(tiny_tokenizer, samples)
         policy = ScriptedGeneration(tiny_tokenizer, respond)
@@ -273,7 +277,7 @@ def test_max_attempts_retries_after_incorrect_until_right_or_out_of_attempts(tin
         assert final["total_reward"].tolist() == [1.0, 0.0]
         assert final["num_turns"].tolist() == [2, 3]
         assert list(final["turn_rewards"]) == [[0.0, 1.0], [0.0, 0.0, 0.0]]
-        verdicts = [[m["content"] for m in log if m["role"] == "environment"]
+        verdicts = [[m["content"] for m in log[2:] if m["role"] == "user"]
                     for log in final["message_log"]]  # fmt: skip
         assert verdicts == [[INCORRECT, CORRECT], [INCORRECT] * 3]
         _, metrics = env.global_post_process_and_metrics(final)
