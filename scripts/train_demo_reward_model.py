@@ -1,6 +1,6 @@
 """Train the bundled demo reward model (``envloop/demo/assets/reward_model``) on CPU.
 
-    .venv/bin/python scripts/train_demo_reward_model.py [--steps 3000] [--seed 0] [--out DIR]
+    .venv/bin/python scripts/train_demo_reward_model.py [--steps 6000] [--seed 0] [--out DIR]
 
 The reward model is a one-label Qwen3 sequence classifier built on the bundled policy: the
 policy's embeddings and layers, frozen, then ``--extra-layers`` new layers, the final norm
@@ -172,7 +172,7 @@ def build(policy: Path, extra_layers: int, seed: int) -> tuple[Any, Any, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=6000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=6e-3)
     parser.add_argument("--batch-size", type=int, default=32, help="pairs per step")
