@@ -43,13 +43,19 @@ def math_env():
     env.shutdown()
 
 
-def batch_of(tokenizer, logs, metadata, stop_strings=None):
-    return BatchedDataDict(
+def greedy_rollout(policy, logs, metadata, env, max_turns=1, stop_strings=None):
+    """``logs`` as one task against ``env``, with the demo's settings."""
+    batch = BatchedDataDict(
         message_log=logs,
         task_name=["task"] * len(logs),
         extra_env_info=metadata,
         stop_strings=[stop_strings] * len(logs),
     )
+    final, _ = run_multi_turn_rollout(
+        policy, batch, policy.tokenizer, {"task": env}, MAX_SEQ_LEN,
+        max_rollout_turns=max_turns, greedy=True, observation_format="chat_template",
+    )  # fmt: skip
+    return final
 
 
 def prompt_log(tokenizer, text):
@@ -79,16 +85,7 @@ def test_policy_answers_held_out_arithmetic(policy, math_env):
     tokenizer = policy.tokenizer
     logs = [prompt_log(tokenizer, item.question) for item in QUESTIONS]
     metadata = [{"ground_truth": item.ground_truth} for item in QUESTIONS]
-    final, _ = run_multi_turn_rollout(
-        policy,
-        batch_of(tokenizer, logs, metadata),
-        tokenizer,
-        {"task": math_env},
-        MAX_SEQ_LEN,
-        max_rollout_turns=1,
-        greedy=True,
-        observation_format="chat_template",
-    )
+    final = greedy_rollout(policy, logs, metadata, math_env)
     replies = [log[-2]["content"] for log in final["message_log"]]
     assert all(r.endswith("}") and "\\boxed{" in r for r in replies)
     assert [log[-1]["content"] for log in final["message_log"]].count("Environment: correct") > 12
@@ -117,16 +114,7 @@ def test_policy_answers_again_after_incorrect(policy, math_env):
         }
         logs.append([*prompt_log(tokenizer, item.question), reply, verdict])
     metadata = [{"ground_truth": item.ground_truth} for item in QUESTIONS[:12]]
-    final, _ = run_multi_turn_rollout(
-        policy,
-        batch_of(tokenizer, logs, metadata),
-        tokenizer,
-        {"task": math_env},
-        MAX_SEQ_LEN,
-        max_rollout_turns=1,
-        greedy=True,
-        observation_format="chat_template",
-    )
+    final = greedy_rollout(policy, logs, metadata, math_env)
     assert final["total_reward"].mean().item() > 0.5
 
 
@@ -140,16 +128,7 @@ def test_policy_solves_held_out_sliding_puzzles(policy, stop_strings):
         for i, (size, shuffle) in enumerate([(2, 3), (2, 4), (2, 5), (3, 3), (3, 4), (3, 5)])
     ]
     logs = [prompt_log(tokenizer, initial_prompt(e)) for e in episodes]
-    final, _ = run_multi_turn_rollout(
-        policy,
-        batch_of(tokenizer, logs, episodes, stop_strings),
-        tokenizer,
-        {"task": SlidingPuzzleEnv()},
-        MAX_SEQ_LEN,
-        max_rollout_turns=10,
-        greedy=True,
-        observation_format="chat_template",
-    )
+    final = greedy_rollout(policy, logs, episodes, SlidingPuzzleEnv(), 10, stop_strings)
     solved = [is_solved(md["board"]) for md in final["extra_env_info"]]
     assert any(solved[:3]) and any(solved[3:])
     first = final["message_log"][0][1]
