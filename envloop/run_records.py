@@ -3,9 +3,9 @@
 
 Prompt messages keep their original text (not the chat-templated text they were tokenized
 as); each observation carries the reward of the turn that produced it. ``rewards`` holds the
-``reward/<name>`` component totals of the sample's rollout batch (0 for a component its own
-environment does not return). The token columns (:data:`TOKEN_KEYS`) are the whole sequence
-the policy saw and produced.
+``reward/<name>`` component totals that the sample's own environment returned (a batch
+column of a component only another task's environment returns is left out). The token
+columns (:data:`TOKEN_KEYS`) are the whole sequence the policy saw and produced.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _record(
         "generation": int(final["generation"][i]),
         "messages": messages,
         "total_reward": float(final["total_reward"][i]),
-        "rewards": {name: float(final[name][i]) for name in components},
+        "rewards": {name: float(final[name][i]) for name in _own(final, i, components)},
         "turn_rewards": [float(r) for r in final["turn_rewards"][i]],
         "num_turns": int(final["num_turns"][i]),
         "truncated": bool(final["truncated"][i]),
@@ -105,3 +105,10 @@ def _messages(
         "message_token_counts": [m["num_tokens"] for m in messages],
     }
     return messages, tokens
+
+
+def _own(final: BatchedDataDict[Any], i: int, components: list[str]) -> list[str]:
+    """The components sample ``i``'s environment returned (all of them for a batch that
+    does not say, e.g. one from an older engine)."""
+    names = final.get("reward_components")
+    return components if names is None else [c for c in components if c in names[i]]

@@ -49,6 +49,7 @@ class RolloutState:
     failed: torch.Tensor  # bool, its environment step raised or timed out
     errors: list[str | None]  # the failure text of failed samples
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # "reward/<name>" totals
+    component_names: list[set[str]] = field(default_factory=list)  # each sample's own names
 
     @property
     def size(self) -> int:
@@ -89,6 +90,7 @@ class RolloutState:
             truncated=torch.zeros(n, dtype=torch.bool),
             failed=torch.zeros(n, dtype=torch.bool),
             errors=[None] * n,
+            component_names=[set() for _ in range(n)],
         )
         state.truncated |= state.tokens.lengths >= max_seq_len
         return state
@@ -208,6 +210,8 @@ def _add_reward_components(state: RolloutState, idx: torch.Tensor, rewards: Any)
             state.components[name] = torch.zeros(state.size, dtype=torch.float32)
         state.components[name].index_add_(0, idx, value)
         total += value
+    for i in idx.tolist():
+        state.component_names[i].update(rewards)
     return total
 
 

@@ -79,7 +79,9 @@ def run_multi_turn_rollout(
         ``total_reward`` [B] float32, ``truncated`` / ``terminated`` [B] bool,
         ``num_turns`` [B] int64, ``turn_rewards`` (per sample, one float per turn),
         ``env_error`` (per sample, None or the failure text), and ``reward/<name>`` [B]
-        float32 totals for component rewards.
+        float32 totals for component rewards (0 where a sample's environment returned no
+        such component; ``reward_components`` lists, per sample, the names its own
+        environment returned).
     """
     opts = RolloutOptions.from_kwargs(options)
     _check_limits(max_seq_len, max_rollout_turns)
@@ -224,6 +226,7 @@ def _final_batch(input_batch: BatchedDataDict[Any], state: RolloutState) -> Batc
     final["env_error"] = state.errors
     for name, totals in state.components.items():
         final[name] = totals
+    final["reward_components"] = [sorted(names) for names in state.component_names]
     return final
 
 

@@ -49,8 +49,8 @@ def test_records_hold_original_messages_and_turn_rewards(records):
     ]  # fmt: skip
     assert (echo["total_reward"], echo["turn_rewards"], echo["num_turns"]) == (1.0, [0.5, 0.5], 2)
     assert (echo["terminated"], echo["truncated"], echo["error"]) == (False, False, None)
-    # Components are batch columns: 0 for a sample whose environment returns none.
-    assert echo["rewards"] == {"reward/format": 0.0, "reward/length": 0.0}
+    # Components are batch columns, but a record keeps only its own environment's.
+    assert echo["rewards"] == {}
     assert echo["extra_env_info"] == {"reply": "again"}
     length = float(torch.tensor(len("hello there") / 100))
     assert scored["rewards"] == {"reward/format": 0.25, "reward/length": length}

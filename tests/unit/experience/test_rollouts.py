@@ -189,6 +189,7 @@ def test_dict_rewards_mix_with_scalar_rewards(tiny_tokenizer):
     )
     assert final["reward/format"].tolist() == [0.25, 0.0]
     assert final["reward/length"].tolist() == pytest.approx([0.04, 0.0])
+    assert final["reward_components"] == [["reward/format", "reward/length"], []]
     assert final["total_reward"].tolist() == pytest.approx([0.29, 1.0])
     assert final["num_turns"].tolist() == [1, 2]
 
