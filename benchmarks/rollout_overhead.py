@@ -5,7 +5,7 @@ Workload: 1,024 samples x 4 turns, a policy that costs (almost) nothing (it appe
 response to every prompt), and one Ray-actor environment that answers every turn and ends
 the episode after 4. Overhead = rollout wall time minus the policy's own generate() time.
 
-    .venv/bin/python benchmarks/rollout_overhead.py [--samples 1024] [--turns 4] [--repeats 3]
+    .venv/bin/python benchmarks/rollout_overhead.py [--samples 1024] [--turns 4] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-seq-len", type=int, default=512)
     args = parser.parse_args()
     import ray
