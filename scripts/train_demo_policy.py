@@ -42,6 +42,7 @@ from envloop.data.tokenization import tokenize_texts
 from envloop.demo import ASSETS, tasks
 from envloop.environments.games.sliding_puzzle import SlidingPuzzleEnv, initial_prompt
 from envloop.environments.games.sliding_puzzle_board import legal_moves
+from envloop.environments.reward_model_batching import pad_sequences
 from envloop.models.tiny import train_chatml_tokenizer
 
 CORRECT, INCORRECT = "Environment: correct", "Environment: incorrect"
@@ -197,13 +198,9 @@ def batches(
 def collate(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids [B, L] and loss mask [B, L]. Causal attention never looks right, so
     padding on the right needs no attention mask."""
-    longest = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(examples), longest), dtype=torch.bool)
-    for row, (tokens, loss_mask) in enumerate(examples):
-        ids[row, : len(tokens)] = torch.tensor(tokens)
-        mask[row, : len(tokens)] = torch.tensor(loss_mask, dtype=torch.bool)
-    return ids, mask
+    ids, _ = pad_sequences([tokens for tokens, _ in examples], pad_id)
+    loss_mask, _ = pad_sequences([mask for _, mask in examples], 0)
+    return ids, loss_mask.bool()
 
 
 # --- model and training -----------------------------------------------------------------

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -41,6 +42,7 @@ from transformers import (
 )
 
 from envloop.demo import ASSETS, tasks
+from envloop.environments.reward_model_batching import pad_sequences
 
 
 class Chat:
@@ -81,23 +83,12 @@ def make_pairs(tokenizer: Any, items: list[tasks.MathItem], seed: int) -> list[P
     return out
 
 
-def padded(chats: list[Chat], value: Any, field: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``field`` (``"ids"`` [N, L] or ``"states"`` [N, L, H]) and mask [N, L]."""
-    rows = [torch.as_tensor(getattr(c, field)) for c in chats]
-    longest = max(len(r) for r in rows)
-    out = torch.full((len(rows), longest, *rows[0].shape[1:]), value, dtype=rows[0].dtype)
-    mask = torch.zeros((len(rows), longest), dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : len(row)], mask[i, : len(row)] = row, 1
-    return out, mask
-
-
 @torch.no_grad()
 def cache_states(trunk: Any, chats: list[Chat], pad_id: int, batch: int = 512) -> None:
     """Each chat's hidden states after the frozen layers (before any norm)."""
     for i in range(0, len(chats), batch):
         part = chats[i : i + batch]
-        ids, mask = padded(part, pad_id, "ids")
+        ids, mask = pad_sequences([chat.ids for chat in part], pad_id)
         states = trunk(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
         for chat, row in zip(part, states):
             chat.states = row[: len(chat.ids)].clone()
@@ -105,7 +96,8 @@ def cache_states(trunk: Any, chats: list[Chat], pad_id: int, batch: int = 512) -
 
 def token_scores(head: Any, chats: list[Chat]) -> torch.Tensor:
     """The score at every token [N, L] of ``chats``, from their cached states."""
-    states, mask = padded(chats, 0.0, "states")
+    states = pad_sequence([chat.states for chat in chats], batch_first=True)
+    _, mask = pad_sequences([chat.ids for chat in chats], 0)
     hidden = head.model(inputs_embeds=states, attention_mask=mask, use_cache=False)
     return head.score(hidden.last_hidden_state)[..., 0]
 
