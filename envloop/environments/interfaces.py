@@ -1,9 +1,17 @@
-"""The contract every environment fulfils: a batched ``step`` returning ``EnvironmentReturn``."""
+"""The contract every environment fulfils: a batched ``step`` returning ``EnvironmentReturn``.
+
+Environment classes are plain classes (instantiate one to step it in-process) that also
+start as Ray actors the way NeMo-RL's ``@ray.remote`` classes do: ``MathEnvironment.remote(cfg)``
+or ``MathEnvironment.options(num_cpus=1).remote(cfg)`` (see :class:`EnvironmentClass`).
+"""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Any, NamedTuple, Union
+import logging
+from abc import ABC, ABCMeta, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Generic, NamedTuple, TypeVar, Union
 
 import torch
 
@@ -12,6 +20,14 @@ from envloop.distributed.batched_data_dict import BatchedDataDict
 
 RewardsType = Union[torch.Tensor, dict[str, torch.Tensor]]  # noqa: UP007 - runtime alias on 3.10
 """[B] float rewards, or ``{"reward/<name>": [B] float}`` for several components."""
+
+MetadataT = TypeVar("MetadataT")
+"""An environment's per-sample metadata type, as in ``EnvironmentInterface[MyMetadata]``."""
+
+DEFAULT_ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": 3, "max_task_retries": 3}
+"""Ray options every environment actor gets unless overridden: a dead actor is restarted
+and its in-flight ``step`` retried (environments keep episode state in metadata, so a
+retried step gives the same answer)."""
 
 
 class EnvironmentReturn(NamedTuple):
@@ -25,6 +41,9 @@ class EnvironmentReturn(NamedTuple):
         rewards: [B] float tensor, or a dict ``{"reward/<name>": [B] float tensor}``.
         terminateds: [B] bool tensor, True when the episode ended.
         answers: B extracted answers (or ``None`` each); ``None`` when not provided.
+
+    ``EnvironmentReturn[MyMetadata]``, NeMo-RL's spelling, also works (as for any tuple
+    type) and builds this same class.
     """
 
     observations: list[dict[str, str]]
@@ -35,12 +54,43 @@ class EnvironmentReturn(NamedTuple):
     answers: list[Any] | None = None
 
 
-class EnvironmentInterface(ABC):
+def actor_class(cls: type, **ray_options: Any) -> Any:
+    """``cls`` as a Ray actor class, with :data:`DEFAULT_ACTOR_OPTIONS` overridden by
+    ``ray_options`` (``num_cpus``, ``runtime_env``, ``max_restarts``, ...); call
+    ``.remote(*args)`` on it to start an actor."""
+    import ray
+
+    with _quiet_remote_override_note():
+        remote_cls: Any = ray.remote(cls)
+    return remote_cls.options(**{**DEFAULT_ACTOR_OPTIONS, **ray_options})
+
+
+class EnvironmentClass(ABCMeta):
+    """The metaclass of environments: gives every environment class NeMo-RL's actor
+    constructors, ``Env.remote(*args, **kwargs)`` and ``Env.options(**ray_options)``.
+
+    They live on the metaclass, so they belong to the class only: instances and actor
+    handles do not grow ``remote``/``options`` methods, and ``Env(cfg)`` stays an
+    in-process environment.
+    """
+
+    def options(cls, **ray_options: Any) -> Any:
+        """A Ray actor class for this environment (see :func:`actor_class`)."""
+        return actor_class(cls, **ray_options)
+
+    def remote(cls, *args: Any, **kwargs: Any) -> Any:
+        """Start this environment as a Ray actor with :data:`DEFAULT_ACTOR_OPTIONS`;
+        ``args``/``kwargs`` go to the constructor. Returns the actor handle."""
+        return actor_class(cls).remote(*args, **kwargs)
+
+
+class EnvironmentInterface(ABC, Generic[MetadataT], metaclass=EnvironmentClass):
     """An environment that scores a batch of conversations and answers each one.
 
     Subclasses implement :meth:`step` and :meth:`global_post_process_and_metrics`. The
     rollout engine handles batching, ordering, truncation, timeouts and retries; an
-    environment only sees each message's ``role`` and ``content``.
+    environment only sees each message's ``role`` and ``content``. ``MetadataT`` (as in
+    ``EnvironmentInterface[MyMetadata]``) only documents the metadata type.
     """
 
     @abstractmethod
@@ -59,5 +109,24 @@ class EnvironmentInterface(ABC):
     ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
         """Post-process a finished rollout batch and return it with environment metrics."""
 
-    def shutdown(self) -> None:  # noqa: B027 - optional hook, deliberately a no-op
+    def shutdown(self) -> None:
         """Release resources (worker pools, models). The default does nothing."""
+
+
+class _DropRemoteOverrideNote(logging.Filter):
+    """Drops Ray's note that an actor class made from an environment class "overwrites
+    attribute remote": that is intended (:class:`EnvironmentClass`'s ``remote`` starts
+    the actor Ray's ``remote`` then stands for)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "overwrites attribute remote of that class" not in record.getMessage()
+
+
+@contextmanager
+def _quiet_remote_override_note() -> Iterator[None]:
+    ray_actor_logger, note_filter = logging.getLogger("ray.actor"), _DropRemoteOverrideNote()
+    ray_actor_logger.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        ray_actor_logger.removeFilter(note_filter)

@@ -1,63 +1,97 @@
-"""Environment registry: names -> environment classes, and Ray actors made from them."""
+"""Environment registry: names -> environment classes, and Ray actors made from them.
+
+:data:`ENV_REGISTRY` is the registry itself (NeMo-RL's name and entry schema, so code that
+reads or edits it directly keeps working): environment name -> :class:`EnvRegistryEntry`.
+"""
 
 from __future__ import annotations
 
 import difflib
-from typing import Any
+import re
+from typing import Any, TypedDict
 
-from envloop.environments.interfaces import EnvironmentInterface
+from typing_extensions import NotRequired
+
+from envloop.environments.interfaces import (
+    DEFAULT_ACTOR_OPTIONS,
+    EnvironmentInterface,
+    actor_class,
+)
 from envloop.import_paths import import_from_path
 
+__all__ = [
+    "BUILTIN_ENVS",
+    "DEFAULT_ACTOR_OPTIONS",
+    "ENV_REGISTRY",
+    "EnvRegistryEntry",
+    "EnvTarget",
+    "create_env",
+    "get_env_class",
+    "list_envs",
+    "register_env",
+    "unknown_name_message",
+]
+
 EnvTarget = str | type[EnvironmentInterface]
-"""An environment class, or its import path as ``"package.module:ClassName"``."""
+"""An environment class, or its import path: ``"package.module:ClassName"`` or NeMo-RL's
+``"package.module.ClassName"``."""
 
-_REGISTRY: dict[str, EnvTarget] = {}
 
-DEFAULT_ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": 3, "max_task_retries": 3}
-"""Ray options every environment actor gets unless overridden: a dead actor is restarted
-and its in-flight ``step`` retried (environments keep episode state in metadata, so a
-retried step gives the same answer)."""
+class EnvRegistryEntry(TypedDict):
+    """One registered environment."""
+
+    actor_class_fqn: str  # import path of the class, "pkg.mod:Class" or "pkg.mod.Class"
+    actor_class: NotRequired[type[EnvironmentInterface]]  # the class, when registered as one
+
+
+ENV_REGISTRY: dict[str, EnvRegistryEntry] = {}
+"""Environment name -> entry. Registering by path imports nothing until the class is used."""
+
+_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 
 
 def register_env(name: str, target: EnvTarget, *, overwrite: bool = False) -> None:
-    """Register an environment class (or ``"module:Class"`` path) under ``name``.
+    """Register an environment class (or its import path) under ``name``.
+
+    Registering a name again with the same target does nothing; another target needs
+    ``overwrite=True``.
 
     >>> register_env("doc_echo", "envloop.environments.interfaces:EnvironmentInterface")
-    >>> "doc_echo" in list_envs()
-    True
+    >>> ENV_REGISTRY["doc_echo"]
+    {'actor_class_fqn': 'envloop.environments.interfaces:EnvironmentInterface'}
+    >>> register_env("doc_echo", "mypkg.envs.Echo")
+    Traceback (most recent call last):
+    ...
+    ValueError: Env name doc_echo already registered as \
+'envloop.environments.interfaces:EnvironmentInterface'; choose another name, or pass \
+overwrite=True to replace it with 'mypkg.envs.Echo'.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_env: name must be a non-empty string, got {name!r}.")
-    if not isinstance(target, str) and not isinstance(target, type):
-        raise TypeError(
-            f"register_env({name!r}): target must be a class or a 'module:Class' string, "
-            f"got {type(target).__name__}."
-        )
-    if isinstance(target, str) and ":" not in target:
+    entry = _entry_for(name, target)
+    existing = ENV_REGISTRY.get(name)
+    if existing is not None and existing != entry and not overwrite:
         raise ValueError(
-            f"register_env({name!r}): import path {target!r} needs the form 'module:Class', "
-            "e.g. 'mypkg.envs:MyEnv'."
+            f"Env name {name} already registered as {existing['actor_class_fqn']!r}; choose "
+            f"another name, or pass overwrite=True to replace it with "
+            f"{entry['actor_class_fqn']!r}."
         )
-    existing = _REGISTRY.get(name)
-    if existing is not None and existing != target and not overwrite:
-        raise ValueError(
-            f"Environment {name!r} is already registered as {_describe(existing)}; "
-            "pass overwrite=True to replace it, or choose another name."
-        )
-    _REGISTRY[name] = target
+    ENV_REGISTRY[name] = entry
 
 
 def list_envs() -> list[str]:
     """The registered environment names, sorted."""
-    return sorted(_REGISTRY)
+    return sorted(ENV_REGISTRY)
 
 
 def get_env_class(name: str) -> type[EnvironmentInterface]:
     """The class registered under ``name`` (importing it if registered by path)."""
-    if name not in _REGISTRY:
+    if name not in ENV_REGISTRY:
         raise ValueError(unknown_name_message("environment", name, list_envs()))
-    target = _REGISTRY[name]
-    cls = import_from_path(target, f"Environment {name!r}") if isinstance(target, str) else target
+    entry = ENV_REGISTRY[name]
+    cls = entry.get("actor_class")
+    if cls is None:
+        cls = import_from_path(entry["actor_class_fqn"], f"Environment {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(
             f"Environment {name!r} resolves to {cls!r}, which does not subclass "
@@ -82,8 +116,7 @@ def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
             f"create_env({name!r}) needs a running Ray session; call "
             "envloop.distributed.ray_utils.init_ray() first."
         )
-    options = {**DEFAULT_ACTOR_OPTIONS, **ray_options}
-    actor_cls = ray.remote(cls).options(**options)
+    actor_cls = actor_class(cls, **ray_options)
     return actor_cls.remote(config) if config is not None else actor_cls.remote()
 
 
@@ -96,18 +129,39 @@ def unknown_name_message(kind: str, name: str, known: list[str]) -> str:
     return message
 
 
-def _describe(target: EnvTarget) -> str:
-    return target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+def _entry_for(name: str, target: Any) -> EnvRegistryEntry:
+    """The registry entry for ``target``, a class or an import path (checked for form only,
+    so registering imports nothing)."""
+    if isinstance(target, type):
+        return {
+            "actor_class_fqn": f"{target.__module__}:{target.__qualname__}",
+            "actor_class": target,
+        }
+    if not isinstance(target, str):
+        raise TypeError(
+            f"register_env({name!r}): target must be a class or an import path string, "
+            f"got {type(target).__name__}."
+        )
+    if not _PATH.match(target) or ("." not in target and ":" not in target):
+        raise ValueError(
+            f"register_env({name!r}): {target!r} is not an import path; write "
+            "'package.module:Class' or 'package.module.Class', e.g. 'mypkg.envs:MyEnv'."
+        )
+    return {"actor_class_fqn": target}
 
 
 BUILTIN_ENVS: dict[str, str] = {
     "math": "envloop.environments.math_environment:MathEnvironment",
+    "math_default": "envloop.environments.math_environment:MathEnvironment",
+    "math_multi_reward": "envloop.environments.math_environment:MathMultiRewardEnvironment",
     "vlm": "envloop.environments.vlm_environment:VLMEnvironment",
     "reward_model": "envloop.environments.reward_model_environment:RewardModelEnvironment",
     "code": "envloop.environments.code_environment:CodeEnvironment",
+    "code_jaccard": "envloop.environments.code_jaccard_environment:CodeJaccardEnvironment",
     "sliding_puzzle": "envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv",
 }
-"""The environments envloop ships, registered by import path (imported on first use)."""
+"""The environments envloop ships, registered by import path (imported on first use).
+``math_default`` is NeMo-RL's other name for ``math``."""
 
 for _name, _path in BUILTIN_ENVS.items():
     register_env(_name, _path)

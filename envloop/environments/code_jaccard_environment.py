@@ -1,0 +1,140 @@
+"""``code_jaccard``: scores code by its token overlap with a reference solution.
+
+Each sample's last assistant message is compared with ``metadata["ground_truth"]``: the
+reward is the Jaccard similarity of their code tokens
+(:func:`~envloop.environments.code_similarity.code_jaccard`: fenced blocks if any, else the
+whole text; identifiers, numbers, string literals and operators as sets), in [0, 1]. It
+measures resemblance, not correctness: nothing runs (the ``code`` environment executes
+code against tests). The observation is ``"Environment: jaccard aligned (score: 0.83)"``
+when the score is above ``alignment_threshold``, else ``"... misaligned (score: 0.17)"``.
+Every episode ends after one answer.
+
+A sample whose ground truth is missing, not a string, or holds no code tokens scores 0 and
+says why in its observation and in ``metadata["jaccard_error"]``; the rest of the batch is
+scored as usual. Metadata also gains ``jaccard_score``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+import torch
+
+from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.data.interfaces import LLMMessageLogType
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.code_similarity import code_jaccard, code_tokens, extract_code
+from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.utils import last_assistant_text
+
+
+class CodeJaccardEnvConfig(TypedDict, total=False):
+    num_workers: int  # NeMo-RL config compatibility only: validated, unused (scoring is cheap)
+    stop_strings: list[str] | None  # next-turn stop strings; unused, as episodes end (None)
+    alignment_threshold: float  # a score above this is "aligned" (0.5)
+
+
+DEFAULTS: CodeJaccardEnvConfig = {
+    "num_workers": 1,
+    "stop_strings": None,
+    "alignment_threshold": 0.5,
+}
+
+
+class CodeJaccardEnvironment(EnvironmentInterface):
+    """Rewards code by token overlap with ``metadata["ground_truth"]``; see the module
+    docstring. ``config=None`` means :data:`DEFAULTS`.
+
+    Scoring a sample takes microseconds (a regex and two set operations), so it runs in the
+    environment's own process: ``num_workers`` is accepted so NeMo-RL configs load, and is
+    only validated.
+    """
+
+    def __init__(self, config: CodeJaccardEnvConfig | None = None) -> None:
+        problems = _config_problems(config if config is not None else {})
+        if problems:
+            raise ConfigError("CodeJaccardEnvConfig", problems)
+        self.config: CodeJaccardEnvConfig = {**DEFAULTS, **(config or {})}
+
+    def step(
+        self,
+        message_log_batch: list[LLMMessageLogType],
+        metadata: list[Any],
+        return_extracted_answer: bool = False,
+    ) -> EnvironmentReturn:
+        """Rewards [B] float32 in [0, 1], terminateds [B] all True; ``answers`` (when
+        ``return_extracted_answer``) the code that was scored, stripped."""
+        responses = [last_assistant_text(log) for log in message_log_batch]
+        scored = [_score(response, md) for response, md in zip(responses, metadata)]
+        n = len(responses)
+        return EnvironmentReturn(
+            observations=[self._observation(score, error) for score, error in scored],
+            metadata=[
+                _with_result(md, score, error) for md, (score, error) in zip(metadata, scored)
+            ],
+            next_stop_strings=[self.config["stop_strings"]] * n,
+            rewards=torch.tensor([score for score, _ in scored], dtype=torch.float32),
+            terminateds=torch.ones(n, dtype=torch.bool),
+            answers=[extract_code(r).strip() for r in responses]
+            if return_extracted_answer
+            else None,
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, float | int]]:
+        """Metrics ``code_jaccard_env/...`` over the batch's ``total_reward`` (the scores):
+        ``mean_score``, ``aligned_fraction`` (above the threshold), ``exact_fraction``
+        (score 1: the same token set), ``error_rate`` (samples that could not be scored, from
+        ``extra_env_info``) and ``num_samples``."""
+        scores = torch.as_tensor(batch["total_reward"], dtype=torch.float32)
+        infos = batch.get("extra_env_info") or [None] * len(scores)
+        errors = [isinstance(md, Mapping) and "jaccard_error" in md for md in infos]
+        n = max(len(scores), 1)
+        return batch, {
+            "code_jaccard_env/mean_score": float(scores.sum()) / n,
+            "code_jaccard_env/aligned_fraction": int((scores > self._threshold).sum()) / n,
+            "code_jaccard_env/exact_fraction": int((scores == 1.0).sum()) / n,
+            "code_jaccard_env/error_rate": sum(errors) / n,
+            "code_jaccard_env/num_samples": len(scores),
+        }
+
+    @property
+    def _threshold(self) -> float:
+        return float(self.config["alignment_threshold"])
+
+    def _observation(self, score: float, error: str | None) -> dict[str, str]:
+        verdict = "aligned" if score > self._threshold else "misaligned"
+        detail = f"score: {score:.2f}" + (f"; {error}" if error else "")
+        return {"role": "environment", "content": f"Environment: jaccard {verdict} ({detail})"}
+
+
+def _score(response: str, metadata: Any) -> tuple[float, str | None]:
+    """``(score, None)``, or ``(0.0, why)`` when the sample's ground truth is unusable."""
+    truth = metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
+    if not isinstance(truth, str):
+        return 0.0, "no ground_truth string in this sample's metadata"
+    if not code_tokens(extract_code(truth)):
+        return 0.0, "ground_truth holds no code tokens"
+    return code_jaccard(response, truth), None
+
+
+def _with_result(metadata: Any, score: float, error: str | None) -> dict[str, Any]:
+    result = {**(metadata if isinstance(metadata, Mapping) else {}), "jaccard_score": score}
+    return {**result, "jaccard_error": error} if error else result
+
+
+def _config_problems(config: Any) -> list[str]:
+    problems = typed_dict_problems(config, CodeJaccardEnvConfig)
+    if not isinstance(config, Mapping):
+        return problems
+    workers, threshold = config.get("num_workers", 1), config.get("alignment_threshold", 0.5)
+    if isinstance(workers, int) and workers < 1:
+        problems.append(f"num_workers: must be at least 1, got {workers}")
+    if isinstance(threshold, (int, float)) and not 0 <= threshold < 1:
+        problems.append(f"alignment_threshold: must be in [0, 1), got {threshold}")
+    stops = config.get("stop_strings")
+    if isinstance(stops, list) and not all(isinstance(s, str) for s in stops):
+        problems.append("stop_strings: every entry must be a string")
+    return problems

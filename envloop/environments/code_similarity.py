@@ -1,0 +1,77 @@
+"""How alike two pieces of code are: Jaccard similarity of their sets of code tokens.
+
+**Code** is the content of the text's fenced blocks (```` ```lang ... ``` ````, all of them,
+joined; a fence left open, as in a response cut off at its token budget, runs to the end);
+text without a fence is code as a whole.
+
+**Code tokens** come from one regular expression that fits most programming languages, so
+non-Python code and code that does not parse tokenize too: string literals (quotes
+included, one token each), identifiers and keywords, numbers, multi-character operators
+(``==``, ``->``, ``**=``, ...), and every other non-space character on its own. Tokens are
+case-sensitive; whitespace and layout do not count, and neither do repeats (sets).
+"""
+
+from __future__ import annotations
+
+import re
+
+_FENCED_BLOCK = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
+
+_CODE_TOKEN = re.compile(
+    r"""
+    "(?:\\.|[^"\\\n])*"                       # "string"
+    | '(?:\\.|[^'\\\n])*'                     # 'string'
+    | [^\W\d]\w*                              # identifier or keyword
+    | 0[xXoObB][0-9a-fA-F_]+                  # 0x1F, 0o17, 0b101
+    | \d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?     # 42, 3.14, 1e-9, 1_000
+    | \*\*=? | //=? | <<=? | >>=? | \.\.\.     # Python's long operators
+    | [-+*/%&|^=!<>:]= | -> | => | && | \|\| | :: | \+\+ | --
+    | \S                                      # any other character: ( ) [ ] , . # ...
+    """,
+    re.X,
+)
+
+
+def extract_code(text: str) -> str:
+    """The code in ``text``: its fenced blocks joined by newlines, else the whole text.
+
+    >>> extract_code("Use this:\\n```python\\nx = 1\\n```\\nand\\n```\\ny = 2\\n```")
+    'x = 1\\n\\ny = 2\\n'
+    >>> extract_code("x = a + b")
+    'x = a + b'
+    """
+    blocks = _FENCED_BLOCK.findall(text)
+    return "\n".join(blocks) if blocks else text
+
+
+def code_tokens(code: str) -> list[str]:
+    """The code tokens of ``code``, in order (see the module docstring).
+
+    >>> code_tokens("print('hi, you')  # x**=2")
+    ['print', '(', "'hi, you'", ')', '#', 'x', '**=', '2']
+    """
+    return _CODE_TOKEN.findall(code)
+
+
+def jaccard_similarity(a: set[str], b: set[str]) -> float:
+    """``|a & b| / |a | b|``; 0.0 when both are empty.
+
+    >>> jaccard_similarity({"a", "b", "c"}, {"b", "c", "d"})
+    0.5
+    """
+    union = a | b
+    return len(a & b) / len(union) if union else 0.0
+
+
+def code_jaccard(response: str, reference: str) -> float:
+    """The Jaccard similarity of the code tokens of the code in ``response`` and in
+    ``reference``, in [0, 1].
+
+    >>> code_jaccard("```py\\nreturn a+b\\n```", "return a + b")
+    1.0
+    >>> code_jaccard("x = a + b", "return a + b")
+    0.5
+    """
+    return jaccard_similarity(
+        set(code_tokens(extract_code(response))), set(code_tokens(extract_code(reference)))
+    )

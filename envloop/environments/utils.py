@@ -1,0 +1,75 @@
+"""Helpers shared by environments, and NeMo-RL's ``nemo_rl.environments.utils`` for code
+ported by renaming the package.
+
+The registry is :mod:`envloop.environments.registry`'s (one registry, re-exported here):
+:data:`ENV_REGISTRY`, :class:`EnvRegistryEntry`, :func:`register_env`. :func:`create_env`
+takes NeMo-RL's ``(env_name, env_config)``. Left out, as they have no envloop counterpart:
+the per-actor Python executables and virtualenvs NeMo-RL sets up in ``create_env``
+(``ray_actor_environment_registry``, ``create_local_venv_on_each_node``): envloop actors run
+on the driver's interpreter, with its environment variables, unless ``runtime_env`` says
+otherwise; and ``EnvRegistryEntry.default_processor``, which names a NeMo-RL data processor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from envloop.data.interfaces import LLMMessageLogType
+from envloop.environments.registry import ENV_REGISTRY, EnvRegistryEntry, register_env
+from envloop.environments.registry import create_env as _create_registered_env
+
+__all__ = [
+    "ENV_REGISTRY",
+    "EnvRegistryEntry",
+    "chunk_list_to_workers",
+    "create_env",
+    "last_assistant_text",
+    "register_env",
+]
+
+T = TypeVar("T")
+
+
+def create_env(env_name: str, env_config: Any, **ray_options: Any) -> Any:
+    """Start the environment registered as ``env_name`` as a Ray actor with ``env_config``
+    and return its handle (see :func:`envloop.environments.registry.create_env`)."""
+    return _create_registered_env(env_name, env_config, **ray_options)
+
+
+def chunk_list_to_workers(to_chunk: list[T], num_workers: int) -> list[list[T]]:
+    """Split ``to_chunk`` in order into per-worker lists, as NeMo-RL does.
+
+    With no more items than workers, each item gets its own list, followed by empty lists
+    up to ``num_workers``. Otherwise items go in consecutive chunks of
+    ``ceil(len / num_workers)``, the last possibly shorter, so there can be fewer chunks
+    than workers (5 items over 4 workers make 3 chunks of 2, 2, 1).
+
+    >>> chunk_list_to_workers([1, 2, 3, 4, 5], 3)
+    [[1, 2], [3, 4], [5]]
+    >>> chunk_list_to_workers([1, 2, 3, 4, 5], 4)
+    [[1, 2], [3, 4], [5]]
+    >>> chunk_list_to_workers(["a", "b"], 3), chunk_list_to_workers([], 2)
+    ([['a'], ['b'], []], [[], []])
+    """
+    if not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"chunk_list_to_workers: num_workers must be >= 1, got {num_workers!r}.")
+    if len(to_chunk) <= num_workers:
+        return [[item] for item in to_chunk] + [[] for _ in range(num_workers - len(to_chunk))]
+    size = -(-len(to_chunk) // num_workers)
+    return [list(to_chunk[i : i + size]) for i in range(0, len(to_chunk), size)]
+
+
+def last_assistant_text(message_log: LLMMessageLogType) -> str:
+    """The content of the conversation's last assistant message (the response a step
+    scores); "" when there is none or its content is not text.
+
+    >>> log = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
+    >>> last_assistant_text(log)
+    'a'
+    """
+    for message in reversed(message_log):
+        if isinstance(message, Mapping) and message.get("role") == "assistant":
+            content = message.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
