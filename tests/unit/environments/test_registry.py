@@ -1,11 +1,11 @@
-"""The environment registry: names, import paths, and helpful errors."""
+"""The environment registry: names, import paths, entries, and helpful errors."""
 
 from __future__ import annotations
 
 import pytest
 
-from envloop.environments.registry import get_env_class, list_envs, register_env
-from tests.fixtures.envs import EchoEnv
+from envloop.environments.registry import ENV_REGISTRY, get_env_class, list_envs, register_env
+from tests.fixtures.envs import EchoEnv, FailingEnv
 
 
 def test_register_by_class_and_by_path():
@@ -14,6 +14,31 @@ def test_register_by_class_and_by_path():
     assert get_env_class("reg_echo_cls") is EchoEnv
     assert get_env_class("reg_echo_path") is EchoEnv
     assert {"reg_echo_cls", "reg_echo_path"} <= set(list_envs())
+
+
+def test_dotted_paths_resolve_like_colon_paths():
+    register_env("reg_echo_dotted", "tests.fixtures.envs.EchoEnv", overwrite=True)
+    assert get_env_class("reg_echo_dotted") is EchoEnv
+
+
+def test_entries_hold_the_import_path_and_a_registered_class():
+    register_env("reg_entry_cls", EchoEnv, overwrite=True)
+    register_env("reg_entry_path", "tests.fixtures.envs.FailingEnv", overwrite=True)
+    assert ENV_REGISTRY["reg_entry_cls"] == {
+        "actor_class_fqn": "tests.fixtures.envs:EchoEnv",
+        "actor_class": EchoEnv,
+    }
+    assert ENV_REGISTRY["reg_entry_path"] == {"actor_class_fqn": "tests.fixtures.envs.FailingEnv"}
+
+
+def test_entries_written_straight_into_env_registry_are_used():
+    ENV_REGISTRY["reg_direct"] = {"actor_class_fqn": "tests.fixtures.envs.FailingEnv"}
+    try:
+        assert "reg_direct" in list_envs()
+        assert get_env_class("reg_direct") is FailingEnv
+    finally:
+        del ENV_REGISTRY["reg_direct"]
+    assert "reg_direct" not in list_envs()
 
 
 def test_unknown_name_suggests_a_close_one():
@@ -27,19 +52,38 @@ def test_unknown_name_suggests_a_close_one():
 def test_reregistering_a_name_needs_overwrite():
     register_env("reg_twice", EchoEnv, overwrite=True)
     register_env("reg_twice", EchoEnv)  # same target: fine
-    with pytest.raises(ValueError, match="already registered.*overwrite=True"):
+    message = (
+        "Env name reg_twice already registered as 'tests.fixtures.envs:EchoEnv'; choose "
+        "another name, or pass overwrite=True to replace it with 'tests.fixtures.envs:FailingEnv'."
+    )
+    with pytest.raises(ValueError) as raised:
         register_env("reg_twice", "tests.fixtures.envs:FailingEnv")
+    assert str(raised.value) == message
+    with pytest.raises(ValueError, match="already registered"):
+        register_env("reg_twice", "tests.fixtures.envs:EchoEnv")  # same class, by path
+    register_env("reg_twice", FailingEnv, overwrite=True)
+    assert get_env_class("reg_twice") is FailingEnv
 
 
 def test_bad_targets_are_explained():
-    with pytest.raises(ValueError, match="needs the form 'module:Class'"):
-        register_env("reg_bad", "tests.fixtures.envs.EchoEnv")
+    for bad in ("EchoEnv", "tests.fixtures.envs:Echo:Env", "tests/fixtures/envs.py:EchoEnv", ""):
+        with pytest.raises(ValueError, match="is not an import path; write 'package.module:Class'"):
+            register_env("reg_bad", bad)
+    with pytest.raises(TypeError, match="target must be a class or an import path string"):
+        register_env("reg_bad", EchoEnv())  # an instance, not the class
+    assert "reg_bad" not in list_envs()
     register_env("reg_missing_module", "tests.fixtures.nowhere:Env", overwrite=True)
     with pytest.raises(ImportError, match="cannot import module 'tests.fixtures.nowhere'"):
         get_env_class("reg_missing_module")
     register_env("reg_missing_attr", "tests.fixtures.envs:Nope", overwrite=True)
     with pytest.raises(ImportError, match="has no attribute 'Nope'"):
         get_env_class("reg_missing_attr")
+    register_env("reg_missing_dotted", "tests.fixtures.envs.Nope", overwrite=True)
+    with pytest.raises(ImportError, match="module tests.fixtures.envs has no attribute 'Nope'"):
+        get_env_class("reg_missing_dotted")
+    register_env("reg_no_package", "nowhere_pkg_xyz.envs.Env", overwrite=True)
+    with pytest.raises(ImportError, match="cannot import module 'nowhere_pkg_xyz'"):
+        get_env_class("reg_no_package")
     register_env("reg_not_env", "tests.fixtures.batches:make_batch", overwrite=True)
     with pytest.raises(TypeError, match="does not subclass"):
         get_env_class("reg_not_env")
@@ -49,7 +93,19 @@ def test_builtins_are_registered_and_resolve():
     from envloop.environments.interfaces import EnvironmentInterface
     from envloop.environments.registry import BUILTIN_ENVS
 
-    assert set(BUILTIN_ENVS) == {"math", "vlm", "reward_model", "code", "sliding_puzzle"}
-    for name in BUILTIN_ENVS:
-        assert name in list_envs()
+    assert set(BUILTIN_ENVS) == {
+        "math",
+        "math_default",
+        "math_multi_reward",
+        "vlm",
+        "reward_model",
+        "code",
+        "code_jaccard",
+        "sliding_puzzle",
+    }
+    for name, path in BUILTIN_ENVS.items():
+        assert ENV_REGISTRY[name] == {"actor_class_fqn": path}
+    for name in set(BUILTIN_ENVS) - {"math_multi_reward"}:  # its class is not written yet
         assert issubclass(get_env_class(name), EnvironmentInterface)
+    assert get_env_class("math_default") is get_env_class("math")
+    assert get_env_class("code_jaccard").__name__ == "CodeJaccardEnvironment"
