@@ -69,7 +69,7 @@ def first_fit_shuffle(
     """
     _check(lengths, capacity)
     order = list(range(len(lengths)))
-    (rng or random).shuffle(order)  # type: ignore[attr-defined]
+    (rng or random).shuffle(order)
     return _first_fit(lengths, capacity, order)
 
 
