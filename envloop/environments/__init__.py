@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 _PUBLIC = {
+    "ENV_REGISTRY": "envloop.environments.registry",
     "EnvironmentContractError": "envloop.environments.checker",
     "EnvironmentInterface": "envloop.environments.interfaces",
     "EnvironmentReturn": "envloop.environments.interfaces",

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import torch
+from typing_extensions import NotRequired
 
 from envloop.config_errors import ConfigError, typed_dict_problems
 from envloop.data.interfaces import LLMMessageLogType
@@ -31,8 +32,16 @@ from envloop.environments.utils import last_assistant_text
 
 class CodeJaccardEnvConfig(TypedDict, total=False):
     num_workers: int  # NeMo-RL config compatibility only: validated, unused (scoring is cheap)
-    stop_strings: list[str] | None  # next-turn stop strings; unused, as episodes end (None)
+    stop_strings: list[str] | None  # returned as next_stop_strings; no turn follows (None)
     alignment_threshold: float  # a score above this is "aligned" (0.5)
+
+
+class CodeJaccardEnvironmentMetadata(TypedDict):
+    """A sample's metadata: its reference solution in; the score (and why it is 0) out."""
+
+    ground_truth: str
+    jaccard_score: NotRequired[float]
+    jaccard_error: NotRequired[str]
 
 
 DEFAULTS: CodeJaccardEnvConfig = {
@@ -42,7 +51,7 @@ DEFAULTS: CodeJaccardEnvConfig = {
 }
 
 
-class CodeJaccardEnvironment(EnvironmentInterface):
+class CodeJaccardEnvironment(EnvironmentInterface[CodeJaccardEnvironmentMetadata]):
     """Rewards code by token overlap with ``metadata["ground_truth"]``; see the module
     docstring. ``config=None`` means :data:`DEFAULTS`.
 
