@@ -105,7 +105,6 @@ def test_builtins_are_registered_and_resolve():
     }
     for name, path in BUILTIN_ENVS.items():
         assert ENV_REGISTRY[name] == {"actor_class_fqn": path}
-    for name in set(BUILTIN_ENVS) - {"math_multi_reward"}:  # its class is not written yet
         assert issubclass(get_env_class(name), EnvironmentInterface)
     assert get_env_class("math_default") is get_env_class("math")
     assert get_env_class("code_jaccard").__name__ == "CodeJaccardEnvironment"
