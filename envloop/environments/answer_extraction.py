@@ -53,3 +53,35 @@ def _balanced(text: str, open_at: int) -> str | None:
         if depth == 0:
             return text[open_at:i]
     return None
+
+
+def after_thinking(text: str) -> str:
+    """The part of ``text`` that is the final answer, not the thinking: what follows the
+    last ``</think>`` (a chat template may have opened the thinking in the prompt), cut
+    before any ``<think>`` that opens again and is never closed (unfinished thinking gives
+    no answer).
+
+    >>> after_thinking(r"<think>maybe \\boxed{3}</think> so \\boxed{4}")
+    ' so \\\\boxed{4}'
+    >>> after_thinking("opened by the template</think>42"), after_thinking("<think>still going")
+    ('42', '')
+    >>> after_thinking("no thinking at all")
+    'no thinking at all'
+    """
+    close = text.rfind("</think>")
+    if close >= 0:
+        text = text[close + len("</think>") :]
+    opened = text.find("<think>")
+    return text if opened < 0 else text[:opened]
+
+
+def last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
+    """The last (non-overlapping) match of ``pattern`` in ``text``; None when there is none.
+
+    >>> last_match(re.compile(r"\\d+"), "1 then 22 then 333").group()
+    '333'
+    """
+    found = None
+    for found in pattern.finditer(text):  # noqa: B007 (the loop keeps the last one)
+        pass
+    return found

@@ -79,8 +79,9 @@ def test_rewards_and_observations_are_exact(env):
     assert {o["role"] for o in ret.observations} == {"environment"}
     assert ret.terminateds.tolist() == [True] * len(CASES)
     assert ret.next_stop_strings == [None] * len(CASES)
-    assert ret.answers[:3] == ["0.5", r"\frac{2}{4}", "(x+1)^2"]
-    assert ret.answers[-4:] == [None, None, "", None]
+    # The answers are the text math-verify read, after its LaTeX normalisation (0.5 reads 1/2).
+    assert ret.answers[:3] == [r"\frac{1}{2}", r"\frac{2}{4}", "(x+1)^2"]
+    assert ret.answers[-4:] == [None, None, None, None]
 
 
 def test_metadata_comes_back_unchanged(env):
@@ -89,7 +90,7 @@ def test_metadata_comes_back_unchanged(env):
     assert ret.metadata == [{"ground_truth": "7", "source": "gsm8k", "id": 12}]
 
 
-def test_unscorable_samples_get_zero_and_say_why(env):
+def test_unscorable_samples_get_zero_and_say_why_in_metadata_only(env):
     batch = [
         *logs(r"\boxed{1}", r"\boxed{1}", r"\boxed{1}", r"\boxed{1}"),
         [{"role": "user", "content": "no answer at all"}],
@@ -98,9 +99,18 @@ def test_unscorable_samples_get_zero_and_say_why(env):
     metadata = [None, {}, {"ground_truth": None}, {"ground_truth": ["1"]}, *truths("1", "1")]
     ret = env.step(batch, metadata)
     assert ret.rewards.tolist() == [0.0] * 6
-    why = "Environment: incorrect (no ground_truth in this sample's metadata)"
-    assert [o["content"] for o in ret.observations] == [why] * 4 + [INCORRECT] * 2
+    assert [o["content"] for o in ret.observations] == [INCORRECT] * 6
+    why = {"verification_error": "no ground_truth in this sample's metadata"}
+    assert ret.metadata == [
+        why,
+        why,
+        {"ground_truth": None, **why},
+        {"ground_truth": ["1"], **why},
+        {"ground_truth": "1"},
+        {"ground_truth": "1"},
+    ]
     assert ret.terminateds.tolist() == [True] * 6
+    assert ret.answers == [None] * 6
 
 
 def test_pathological_answer_times_out_alone(env):
@@ -111,12 +121,25 @@ def test_pathological_answer_times_out_alone(env):
     ret = env.step(logs(*responses), truths(*range(24)))
     assert ret.rewards.tolist() == expected
     assert sum(expected) == 15.0
-    assert ret.observations[5]["content"] == (
-        f"Environment: incorrect (could not verify: TimeoutError: timed out after {TIMEOUT_S} s)"
-    )
-    assert ret.answers[5] == "9^{9^{9^{9}}}"
+    assert ret.observations[5]["content"] == INCORRECT
+    error = f"TimeoutError: timed out after {TIMEOUT_S} s"
+    assert ret.metadata[5] == {"ground_truth": 5, "verification_error": error}
+    assert ret.metadata[:5] + ret.metadata[6:] == truths(*range(5), *range(6, 24))
+    assert ret.answers[5] is None and ret.answers[4] == "4"
     # The check was interrupted inside its worker, which goes on: nothing was replaced.
     assert env.pool.replaced == before
+    batch = BatchedDataDict(
+        message_log=logs(*responses), total_reward=ret.rewards, extra_env_info=ret.metadata
+    )
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert (metrics["math_env/timeouts"], metrics["math_env/verification_errors"]) == (1, 1)
+
+
+def test_a_later_attempt_clears_an_earlier_verification_error(env):
+    stale = {"ground_truth": "4", "verification_error": "TimeoutError: timed out after 1.0 s"}
+    ret = env.step(logs(r"\boxed{4}", r"\boxed{5}"), [stale, {**stale, "id": 3}])
+    assert ret.metadata == [{"ground_truth": "4"}, {"ground_truth": "4", "id": 3}]
+    assert stale["verification_error"]  # the input is not mutated
 
 
 def _eight_samples():
@@ -139,9 +162,8 @@ def test_a_stuck_worker_is_killed_and_only_its_sample_fails(env):
     os.kill(env.pool._workers[0].process.pid, signal.SIGSTOP)  # deaf even to the alarm
     ret = env.step(*_eight_samples())  # sample 0 goes to the stopped worker
     assert ret.rewards.tolist() == [0.0] + [1.0] * 7
-    assert ret.observations[0]["content"] == (
-        f"Environment: incorrect (could not verify: timed out after {2 * TIMEOUT_S} s)"
-    )
+    assert ret.observations[0]["content"] == INCORRECT
+    assert ret.metadata[0] == {"ground_truth": 0, "verification_error": "timed out after 2.0 s"}
     assert env.pool.replaced == before + 1
     assert env.step(*_eight_samples()).rewards.tolist() == [1.0] * 8
 
@@ -158,7 +180,7 @@ def test_metrics_are_exact(env):
     ret = env.step(logs(r"\boxed{2}", "2", r"\boxed{5}", "no idea"), truths(2, 2, 2, 2))
     batch = BatchedDataDict(
         message_log=logs(r"\boxed{2}", "2", r"\boxed{5}", "no idea"), total_reward=ret.rewards
-    )
+    )  # no extra_env_info: no verification errors to count
     out, metrics = env.global_post_process_and_metrics(batch)
     assert out is batch
     assert metrics == {
@@ -166,6 +188,8 @@ def test_metrics_are_exact(env):
         "math_env/num_samples": 4,
         "math_env/fraction_boxed": 0.5,
         "math_env/mean_attempts": 1.0,
+        "math_env/timeouts": 0,
+        "math_env/verification_errors": 0,
     }
 
 
@@ -207,6 +231,8 @@ def test_defaults():
         "reward_mode": "correctness",
         "max_attempts": 1,
         "observation_role": "environment",
+        "verifier_type": "math",
+        "math_verify_impl": "hf_math_verify",
     }
 
 
