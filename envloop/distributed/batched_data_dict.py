@@ -1,23 +1,59 @@
-"""``BatchedDataDict``: a dict of per-sample columns that share the batch dimension."""
+"""``BatchedDataDict``: a dict of per-sample columns that share the batch dimension.
+
+Sharding plans live in ``sharding`` and micro-batch iteration in ``microbatches``; this
+module holds the dict and its row and column operations.
+"""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+from typing_extensions import Self
+
+from envloop.distributed.microbatches import MicroBatchMixin
+from envloop.distributed.sharding import (
+    BatchSplitError,
+    DynamicBatchingArgs,
+    SequencePackingArgs,
+    ShardPlan,
+    check_split,
+    dynamic_plan,
+    packing_plan,
+    plain_plan,
+)
+
+__all__ = [
+    "BatchSplitError",
+    "BatchedDataDict",
+    "DynamicBatchingArgs",
+    "MissingKeyError",
+    "SequencePackingArgs",
+    "SlicedDataDict",
+]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
 
 _SUPPORTED = "a list or a torch.Tensor"
 
 
-class BatchedDataDict(dict, Generic[DictT]):
+class MissingKeyError(KeyError, ValueError):
+    """``from_batches``: a non-empty batch lacks a key another batch has (also a ValueError)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
     """A ``dict`` of ``key -> list | Tensor`` whose values share the leading (batch) dimension.
 
     The type parameter names the TypedDict describing the columns, e.g.
     ``BatchedDataDict[GenerationOutputSpec]``; it is for readers and type checkers only.
+    ``data`` is the dict itself (the published class wrapped a ``UserDict``), and shards
+    made for dynamic batching or sequence packing carry micro-batch metadata (see
+    ``envloop.distributed.microbatches``).
 
     >>> b = BatchedDataDict({"x": torch.tensor([1, 2, 3]), "name": ["a", "b", "c"]})
     >>> b.size
@@ -28,31 +64,34 @@ class BatchedDataDict(dict, Generic[DictT]):
     [2, 3]
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clear_micro_batches()
+
+    @property
+    def data(self) -> Self:
+        """The dict itself, for code written against the published ``UserDict`` version."""
+        return self
+
     @property
     def size(self) -> int:
-        """The batch size; 0 for an empty dict. Raises if columns disagree."""
-        sizes = {key: _batch_len(key, value) for key, value in self.items()}
-        if not sizes:
-            return 0
-        first_key, first = next(iter(sizes.items()))
-        for key, n in sizes.items():
-            if n != first:
-                raise ValueError(
-                    f"BatchedDataDict columns disagree on batch size: {first_key!r} has "
-                    f"{first}, {key!r} has {n}. Every column must have one entry per sample."
-                )
-        return first
+        """The batch size; 0 for an empty dict. Raises ``BatchSplitError`` if columns disagree."""
+        return self._checked_size()
 
-    def copy(self) -> BatchedDataDict[DictT]:
-        """A new dict holding the same value objects (a shallow copy)."""
-        return type(self)(self)
+    def copy(self) -> Self:
+        """A new dict holding the same value objects (a shallow copy) and micro-batch metadata."""
+        out = type(self)(self)
+        self._copy_micro_batches_to(out)
+        return out
 
     def get_dict(self) -> dict[str, Any]:
         """The columns as a plain ``dict``."""
         return dict(self)
 
-    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> BatchedDataDict[DictT]:
-        """Rows ``indices`` (a list or 1-D integer tensor), in that order; repeats allowed."""
+    def select_indices(self, indices: Sequence[int] | torch.Tensor) -> Self:
+        """Rows ``indices`` (a list or 1-D integer tensor), in that order; repeats allowed.
+
+        The result has no micro-batch metadata (rows moved)."""
         if isinstance(indices, torch.Tensor):
             if indices.dim() != 1:
                 raise ValueError(
@@ -63,7 +102,7 @@ class BatchedDataDict(dict, Generic[DictT]):
         else:
             index_list = list(indices)
             index_tensor = torch.as_tensor(index_list, dtype=torch.long)
-        out: BatchedDataDict[DictT] = type(self)()
+        out = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 # Advanced indexing (not index_select) so negative indices mean what they
@@ -75,22 +114,22 @@ class BatchedDataDict(dict, Generic[DictT]):
                 raise _unsupported(key, value)
         return out
 
-    def slice(self, start: int, end: int) -> BatchedDataDict[DictT]:
-        """Rows ``start:end`` (views of tensors, new lists)."""
-        out: BatchedDataDict[DictT] = type(self)()
+    def slice(self, start: int, end: int) -> Self:
+        """Rows ``start:end`` (views of tensors, new lists), without micro-batch metadata."""
+        out = type(self)()
         for key, value in self.items():
             _batch_len(key, value)
             out[key] = value[start:end]
         return out
 
-    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict[DictT]:
+    def repeat_interleave(self, num_repeats: int) -> Self:
         """Each row repeated ``num_repeats`` times in place (``a a b b``), e.g. for GRPO groups.
 
         List entries are deep-copied per repeat, so repeated samples never share mutable state.
         """
         if num_repeats < 1:
             raise ValueError(f"repeat_interleave needs num_repeats >= 1, got {num_repeats}.")
-        out: BatchedDataDict[DictT] = type(self)()
+        out = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
@@ -101,41 +140,125 @@ class BatchedDataDict(dict, Generic[DictT]):
         return out
 
     def shard_by_batch_size(
-        self, shards: int, batch_size: int | None = None
-    ) -> list[BatchedDataDict[DictT]]:
-        """Split into ``shards`` contiguous, near-equal parts (the first ones get the remainder).
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
+        """Split into ``shards`` parts (e.g. one per data-parallel rank).
 
-        With ``batch_size``, the batch is first cut into chunks of ``batch_size`` rows (the size
-        must divide evenly), and each chunk is sharded; shard ``s`` holds its part of every
-        chunk, in order. Shards may be empty when there are more shards than rows.
+        The batch is cut into chunks of ``batch_size`` rows (default: the whole batch; it
+        must divide the batch size) and each chunk into ``shards`` contiguous parts; shard
+        ``s`` holds part ``s`` of every chunk, in chunk order. ``batch_size`` must be a
+        multiple of ``shards`` unless ``allow_uneven_shards`` (then ``batch_size`` must be
+        None): shards hold ``ceil(size / shards)`` rows, the last ones fewer or none.
+        Problems raise ``BatchSplitError`` (a ``ValueError`` and ``AssertionError``).
+
+        With ``dynamic_batching_args`` or ``sequence_packing_args`` (not both) the rows are
+        regrouped per chunk (see ``envloop.distributed.sharding``), every shard carries its
+        micro-batch metadata, and the result is ``(shards, sorted_indices)``.
+
+        >>> b = BatchedDataDict({"id": [0, 0, 1, 1, 2, 2, 3, 3]})
+        >>> [s["id"] for s in b.shard_by_batch_size(shards=2)]
+        [[0, 0, 1, 1], [2, 2, 3, 3]]
+        >>> [s["id"] for s in b.shard_by_batch_size(shards=2, batch_size=4)]
+        [[0, 0, 2, 2], [1, 1, 3, 3]]
+        >>> [s["id"] for s in b.slice(0, 5).shard_by_batch_size(2, allow_uneven_shards=True)]
+        [[0, 0, 1], [1, 2]]
         """
-        if shards < 1:
-            raise ValueError(f"shard_by_batch_size needs shards >= 1, got {shards}.")
-        total = self.size
-        if batch_size is None:
-            return [self.select_indices(idx) for idx in _contiguous_parts(range(total), shards)]
-        if batch_size < 1 or total % batch_size != 0:
-            raise ValueError(
-                f"shard_by_batch_size: batch_size={batch_size} must be >= 1 and divide the "
-                f"batch size {total}."
+        if dynamic_batching_args is not None and sequence_packing_args is not None:
+            raise BatchSplitError(
+                "dynamic_batching_args and sequence_packing_args cannot be passed together; "
+                "pass one of them."
             )
-        per_shard: list[list[int]] = [[] for _ in range(shards)]
-        for start in range(0, total, batch_size):
-            chunk = range(start, start + batch_size)
-            for shard, part in zip(per_shard, _contiguous_parts(chunk, shards)):
-                shard.extend(part)
-        return [self.select_indices(idx) for idx in per_shard]
+        total = self._checked_size()
+        chunk = check_split(total, shards, batch_size, allow_uneven_shards)
+        if dynamic_batching_args is None and sequence_packing_args is None:
+            return self._shards(plain_plan(total, shards, chunk))
+        if allow_uneven_shards:
+            raise BatchSplitError(
+                "allow_uneven_shards cannot be combined with dynamic batching or sequence "
+                "packing: every shard needs the same micro-batch layout. Use a batch size "
+                "that is a multiple of shards."
+            )
+        if dynamic_batching_args is not None:
+            args: Any = dynamic_batching_args
+            width = self[args["input_key"]].shape[1]
+            plan = dynamic_plan(self._lengths(args), shards, chunk, width, args)
+        else:
+            args = sequence_packing_args
+            plan = packing_plan(self._lengths(args), shards, chunk, args)
+        return self._shards(plan), plan.sorted_indices
+
+    def chunk(self, rank: int, chunks: int) -> SlicedDataDict:
+        """Part ``rank`` of ``chunks`` equal contiguous parts (tensors copied).
+
+        >>> BatchedDataDict({"x": [1, 2, 3, 4, 5, 6]}).chunk(rank=2, chunks=3)["x"]
+        [5, 6]
+        """
+        total = self._checked_size()
+        if chunks < 1 or total % chunks:
+            raise BatchSplitError(
+                f"batch size ({total}) is not a multiple of chunks ({chunks}); use a chunk "
+                "count that divides it."
+            )
+        if not 0 <= rank < chunks:
+            raise BatchSplitError(f"rank must be in [0, {chunks}), got {rank}.")
+        n = total // chunks
+        return SlicedDataDict(self.select_indices(range(rank * n, (rank + 1) * n)))
+
+    def reorder_data(self, reorded_indices: Sequence[int]) -> None:
+        """Undo a permutation, in place: row ``j`` moves to position ``reorded_indices[j]``.
+
+        Given the ``sorted_indices`` of ``shard_by_batch_size`` (packing), the shards passed
+        through ``from_batches`` return to the original row order. Micro-batch metadata is
+        cleared, since rows move.
+
+        >>> b = BatchedDataDict({"x": ["c", "a", "b"]})
+        >>> b.reorder_data([2, 0, 1])
+        >>> b["x"]
+        ['a', 'b', 'c']
+        """
+        total = self._checked_size()
+        positions = [int(i) for i in reorded_indices]
+        if sorted(positions) != list(range(total)):
+            raise BatchSplitError(
+                f"reorder_data needs a permutation of range({total}) (e.g. the sorted_indices "
+                f"shard_by_batch_size returned), got {positions[:10]}"
+                f"{'...' if len(positions) > 10 else ''}."
+            )
+        source = [0] * total
+        for row, position in enumerate(positions):
+            source[position] = row
+        self.update(self.select_indices(source))
+        self._clear_micro_batches()
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> None:
+        """Cut every tensor with more than ``dim`` dims to at most ``truncated_len`` along
+        ``dim``, in place (views); other columns are left alone."""
+        for key, value in list(self.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > dim:
+                self[key] = value.narrow(dim, 0, min(truncated_len, value.shape[dim]))
 
     @classmethod
     def from_batches(
         cls,
         batches: Sequence[Mapping[str, Any]],
         pad_value_dict: Mapping[str, int | float] | None = None,
-    ) -> BatchedDataDict[Any]:
+    ) -> Self:
         """Concatenate batches along the batch dimension.
 
         Lists concatenate; 1-D tensors concatenate; 2-D and higher tensors are right-padded
-        along dim 1 to the longest, with ``pad_value_dict[key]`` (default 0).
+        along dim 1 (the sequence dim: [B, S], [B, S, K], [B, S, L, K]) to the longest, with
+        ``pad_value_dict[key]`` (default 0).
+
+        Keys: the result has every key of any batch. An empty batch (0 rows, or no keys) may
+        lack keys and adds nothing to them; a non-empty batch lacking a key another batch
+        has raises ``MissingKeyError`` (a ``KeyError`` and ``ValueError``) naming the key and
+        the batches. A batch's row count is read from its first column. Values of empty
+        batches are only used for a key no non-empty batch has (keeping its dtype/shape).
 
         >>> a = {"ids": torch.tensor([[1, 2]]), "n": [2]}
         >>> b = {"ids": torch.tensor([[3, 4, 5]]), "n": [3]}
@@ -143,32 +266,81 @@ class BatchedDataDict(dict, Generic[DictT]):
         [[1, 2, -1], [3, 4, 5]]
         """
         pad_values = dict(pad_value_dict or {})
-        if not batches:
-            return cls()
-        keys = list(batches[0].keys())
-        for i, batch in enumerate(batches):
-            if set(batch.keys()) != set(keys):
-                missing = sorted(set(keys) ^ set(batch.keys()))
-                raise ValueError(
-                    f"from_batches: batch {i} does not have the same keys as batch 0 "
-                    f"(differing keys: {missing}). Every batch needs every key."
+        rows = [_first_column_len(batch) for batch in batches]
+        keys = list(dict.fromkeys(key for batch in batches for key in batch))
+        for key in keys:
+            missing = [i for i, batch in enumerate(batches) if key not in batch and rows[i]]
+            if missing:
+                raise MissingKeyError(
+                    f"from_batches: key {key!r} is missing from non-empty batches {missing}. "
+                    "Every non-empty batch needs every key (only empty batches may omit keys); "
+                    f"add {key!r} to those batches or drop it from the others."
                 )
-            sizes = {key: _batch_len(key, batch[key]) for key in keys}
+        for i, batch in enumerate(batches):
+            sizes = {key: _batch_len(key, value) for key, value in batch.items()}
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"from_batches: batch {i} has mismatched column sizes {sizes}.")
-        out: BatchedDataDict[Any] = cls()
+        out = cls()
         for key in keys:
-            out[key] = _concat_column(
-                key, [batch[key] for batch in batches], pad_values.get(key, 0)
-            )
+            values = [b[key] for b, n in zip(batches, rows) if key in b and n]
+            values = values or [b[key] for b in batches if key in b]
+            out[key] = _concat_column(key, values, pad_values.get(key, 0))
         return out
 
-    def to(self, device: str | torch.device) -> BatchedDataDict[DictT]:
+    def to(self, device: str | torch.device) -> Self:
         """Move every tensor to ``device`` in place; returns self for chaining."""
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 self[key] = value.to(device)
         return self
+
+    def _checked_size(self) -> int:
+        sizes = {key: _batch_len(key, value) for key, value in self.items()}
+        if not sizes:
+            return 0
+        first_key, first = next(iter(sizes.items()))
+        for key, n in sizes.items():
+            if n != first:
+                raise BatchSplitError(
+                    f"Batch sizes are not the same across the rollout batch: {first_key!r} has "
+                    f"{first}, {key!r} has {n}. Every column must have one entry per sample."
+                )
+        return first
+
+    def _lengths(self, args: Mapping[str, Any]) -> list[int]:
+        key = args["input_lengths_key"]
+        if key not in self:
+            raise KeyError(
+                f"input_lengths_key {key!r} is not a column of this batch (columns: "
+                f"{sorted(self)}); set input_lengths_key to the [B] column of lengths."
+            )
+        lengths = self[key]
+        values = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+        return [int(n) for n in values]
+
+    def _shards(self, plan: ShardPlan) -> list[SlicedDataDict]:
+        shards = []
+        for s, rows in enumerate(plan.rows):
+            shard = SlicedDataDict(self.select_indices(rows))
+            if plan.micro_batch_indices is not None and plan.micro_batch_lengths is not None:
+                shard.micro_batch_indices = plan.micro_batch_indices[s]
+                shard.micro_batch_lengths = plan.micro_batch_lengths[s]
+            if plan.elem_counts_per_gb is not None:
+                shard.elem_counts_per_gb = plan.elem_counts_per_gb[s]
+            shards.append(shard)
+        return shards
+
+
+class SlicedDataDict(BatchedDataDict[Any]):
+    """A shard or chunk of a larger batch (what ``shard_by_batch_size`` and ``chunk`` return);
+    a distinct type for readers and type checkers, otherwise a ``BatchedDataDict``."""
+
+
+def _first_column_len(batch: Mapping[str, Any]) -> int:
+    """Rows of ``batch`` as its first column tells (0 for no columns)."""
+    for key, value in batch.items():
+        return _batch_len(key, value)
+    return 0
 
 
 def _batch_len(key: str, value: Any) -> int:
@@ -189,17 +361,6 @@ def _unsupported(key: str, value: Any) -> TypeError:
     )
 
 
-def _contiguous_parts(indices: Iterable[int], parts: int) -> list[list[int]]:
-    items = list(indices)
-    base, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + base + (1 if p < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 def _concat_column(key: str, values: list[Any], pad_value: int | float) -> Any:
     kinds = {type(v) for v in values}
     if all(isinstance(v, list) for v in values):
@@ -212,13 +373,22 @@ def _concat_column(key: str, values: list[Any], pad_value: int | float) -> Any:
         raise ValueError(f"from_batches: column {key!r} mixes tensor ranks {sorted(dims)}.")
     if dims == {1}:
         return torch.cat(values, dim=0)
-    width = max(v.shape[1] for v in values)
-    padded = [
-        torch.nn.functional.pad(
-            v, (0, 0) * (v.dim() - 2) + (0, width - v.shape[1]), value=pad_value
+    trailing = {tuple(v.shape[2:]) for v in values}
+    if len(trailing) != 1:
+        raise ValueError(
+            f"from_batches: column {key!r} has tensors whose dims after the sequence dim "
+            f"differ: {sorted(trailing)}; only dim 1 may differ between batches."
         )
-        if v.shape[1] < width
-        else v
-        for v in values
-    ]
-    return torch.cat(padded, dim=0)
+    width = max(v.shape[1] for v in values)
+    first = values[0]
+    out = torch.full(
+        (sum(v.shape[0] for v in values), width, *first.shape[2:]),
+        pad_value,
+        dtype=first.dtype,
+        device=first.device,
+    )
+    row = 0
+    for v in values:
+        out[row : row + v.shape[0], : v.shape[1]] = v
+        row += v.shape[0]
+    return out

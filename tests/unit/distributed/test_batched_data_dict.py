@@ -10,7 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.batched_data_dict import (
+    BatchedDataDict,
+    BatchSplitError,
+    MissingKeyError,
+    SlicedDataDict,
+)
 
 
 def _batch() -> BatchedDataDict:
@@ -222,9 +227,7 @@ def test_repeat_interleave_needs_a_positive_count(num_repeats):
     ("rows", "shards", "expected"),
     [
         (6, 3, [[0, 1], [2, 3], [4, 5]]),
-        (5, 3, [[0, 1], [2, 3], [4]]),
-        (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
-        (2, 4, [[0], [1], [], []]),
+        (6, 2, [[0, 1, 2], [3, 4, 5]]),
         (3, 1, [[0, 1, 2]]),
         (0, 2, [[], []]),
     ],
@@ -233,11 +236,37 @@ def test_shard_by_batch_size_without_batch_size_gives_contiguous_parts(rows, sha
     out = _numbered(rows).shard_by_batch_size(shards)
     assert len(out) == shards
     for shard, want in zip(out, expected):
-        assert type(shard) is BatchedDataDict
+        assert type(shard) is SlicedDataDict
         assert shard["row"].tolist() == want
         assert shard["pair"].shape == (len(want), 2)
         assert shard["pair"].tolist() == [[2 * i, 2 * i + 1] for i in want]
         assert shard["tag"] == [f"r{i}" for i in want]
+        assert shard.micro_batch_indices is None
+
+
+@pytest.mark.parametrize(
+    ("rows", "shards", "expected"),
+    [
+        (5, 2, [[0, 1, 2], [3, 4]]),
+        (5, 3, [[0, 1], [2, 3], [4]]),
+        (7, 3, [[0, 1, 2], [3, 4, 5], [6]]),
+        (2, 4, [[0], [1], [], []]),
+        (6, 4, [[0, 1], [2, 3], [4, 5], []]),
+        (0, 2, [[], []]),
+    ],
+)
+def test_uneven_shards_hold_ceil_rows_and_the_last_ones_fewer(rows, shards, expected):
+    out = _numbered(rows).shard_by_batch_size(shards, allow_uneven_shards=True)
+    assert [shard["row"].tolist() for shard in out] == expected
+    assert [shard["tag"] for shard in out] == [[f"r{i}" for i in want] for want in expected]
+    for shard in out:  # empty shards keep every key, with empty values of the right shape
+        assert list(shard) == ["row", "pair", "tag"]
+        assert shard["pair"].shape == (shard.size, 2)
+
+
+def test_uneven_shards_cannot_take_a_batch_size():
+    with pytest.raises(BatchSplitError, match="batch_size must be None if allow_uneven_shards"):
+        _numbered(4).shard_by_batch_size(2, batch_size=2, allow_uneven_shards=True)
 
 
 @pytest.mark.parametrize(
@@ -246,8 +275,8 @@ def test_shard_by_batch_size_without_batch_size_gives_contiguous_parts(rows, sha
         (8, 2, 4, [[0, 1, 4, 5], [2, 3, 6, 7]]),
         (8, 2, 2, [[0, 2, 4, 6], [1, 3, 5, 7]]),
         (8, 2, 8, [[0, 1, 2, 3], [4, 5, 6, 7]]),
-        (12, 4, 6, [[0, 1, 6, 7], [2, 3, 8, 9], [4, 10], [5, 11]]),
-        (4, 3, 2, [[0, 2], [1, 3], []]),
+        (12, 3, 6, [[0, 1, 6, 7], [2, 3, 8, 9], [4, 5, 10, 11]]),
+        (12, 3, 3, [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]),
     ],
 )
 def test_shard_by_batch_size_shards_each_chunk(rows, shards, batch_size, expected):
@@ -256,19 +285,34 @@ def test_shard_by_batch_size_shards_each_chunk(rows, shards, batch_size, expecte
     assert [shard["tag"] for shard in out] == [[f"r{i}" for i in want] for want in expected]
 
 
-@pytest.mark.parametrize("batch_size", [4, 0, -2, 7])
-def test_shard_by_batch_size_rejects_a_batch_size_that_does_not_divide(batch_size):
-    with pytest.raises(ValueError, match=f"batch_size={batch_size} must be >= 1 and divide"):
-        _numbered(6).shard_by_batch_size(2, batch_size=batch_size)
+@pytest.mark.parametrize(
+    ("rows", "shards", "batch_size", "message"),
+    [
+        (6, 2, 4, r"Total batch size \(6\) is not a multiple of batch_size \(4\)"),
+        (6, 2, 7, r"Total batch size \(6\) is not a multiple of batch_size \(7\)"),
+        (6, 2, 0, "batch_size >= 1, got 0"),
+        (6, 2, -2, "batch_size >= 1, got -2"),
+        (12, 4, 6, r"Batch size \(6\) is not a multiple of shards \(4\)\. Use a shard count"),
+        (10, 3, None, r"Batch size \(10\) is not a multiple of shards \(3\)"),
+    ],
+)
+def test_shard_by_batch_size_rejects_sizes_that_do_not_divide(rows, shards, batch_size, message):
+    with pytest.raises(BatchSplitError, match=message) as info:
+        _numbered(rows).shard_by_batch_size(shards, batch_size=batch_size)
+    # Both a ValueError (envloop) and an AssertionError (the published interface asserted).
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, AssertionError)
 
 
 def test_shard_by_batch_size_needs_a_positive_shard_count():
-    with pytest.raises(ValueError, match="shards >= 1, got 0"):
+    with pytest.raises(BatchSplitError, match="shards >= 1, got 0"):
         _numbered(4).shard_by_batch_size(0)
 
 
 def test_shard_by_batch_size_with_mismatched_columns_raises():
-    with pytest.raises(ValueError, match="'a' has 2, 'b' has 1"):
+    with pytest.raises(
+        BatchSplitError, match="not the same across the rollout batch: 'a' has 2, 'b' has 1"
+    ):
         BatchedDataDict({"a": [1, 2], "b": [1]}).shard_by_batch_size(2)
 
 
@@ -332,11 +376,19 @@ def test_from_batches_with_empty_batches_keeps_the_others():
     _assert_same(out, full)
 
 
-def test_from_batches_missing_key_names_it():
-    with pytest.raises(ValueError, match=r"batch 1 .*differing keys: \['mask'\]"):
+def test_from_batches_missing_key_names_it_and_the_batches():
+    with pytest.raises(
+        MissingKeyError, match=r"key 'mask' is missing from non-empty batches \[1\]"
+    ):
         BatchedDataDict.from_batches(
             [{"ids": [1], "mask": [1]}, {"ids": [2]}, {"ids": [3], "mask": [0]}]
         )
+    # The first batch lacking a key that a later one has is just as wrong; it is also a
+    # KeyError and a ValueError.
+    with pytest.raises(KeyError, match=r"'extra' is missing from non-empty batches \[0\]"):
+        BatchedDataDict.from_batches([{"ids": [1]}, {"ids": [2], "extra": [0]}])
+    with pytest.raises(ValueError, match="'extra'"):
+        BatchedDataDict.from_batches([{"ids": [1]}, {"ids": [2], "extra": [0]}])
 
 
 def test_from_batches_mismatched_sizes_inside_a_batch_names_the_keys():
@@ -412,10 +464,9 @@ def test_slice_equals_selecting_the_range(data, batch):
 @given(data=st.data(), batch=batches())
 def test_shards_fed_back_to_from_batches_reproduce_the_batch(data, batch):
     shards = data.draw(st.integers(1, 10))
-    parts = batch.shard_by_batch_size(shards)
-    assert [p.size for p in parts] == [
-        batch.size // shards + (1 if s < batch.size % shards else 0) for s in range(shards)
-    ]
+    parts = batch.shard_by_batch_size(shards, allow_uneven_shards=True)
+    k = -(-batch.size // shards)
+    assert [p.size for p in parts] == [max(0, min(k, batch.size - s * k)) for s in range(shards)]
     _assert_same(BatchedDataDict.from_batches(parts), batch)
 
 
@@ -424,13 +475,15 @@ def test_shards_fed_back_to_from_batches_reproduce_the_batch(data, batch):
 def test_shards_with_batch_size_hold_each_chunks_parts_in_order(data, batch):
     n = batch.size
     batch_size = data.draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
-    shards = data.draw(st.integers(1, 5))
+    shards = data.draw(
+        st.sampled_from([d for d in range(1, batch_size + 1) if batch_size % d == 0])
+    )
     parts = batch.shard_by_batch_size(shards, batch_size=batch_size)
     # Walk the chunks: shard s holds, for each chunk in order, its contiguous part of it.
     rebuilt, taken = [], [0] * shards
+    k = batch_size // shards
     for _chunk in range(n // batch_size):
         for s, part in enumerate(parts):
-            k = batch_size // shards + (1 if s < batch_size % shards else 0)
             rebuilt.append(part.slice(taken[s], taken[s] + k))
             taken[s] += k
     assert taken == [p.size for p in parts]
