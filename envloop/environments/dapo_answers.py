@@ -40,7 +40,7 @@ _NUMBER_WITH_COMMAS = re.compile(r"\d{1,3}(?:,\d{3})+")
 
 def extract_dapo_answer(response: str) -> str | None:
     """The text after the last ``Answer:`` (any case) of the response after its thinking,
-    to the end of that line; None when there is no answer line.
+    to the end of that line; None when there is no (non-empty) answer line.
 
     >>> extract_dapo_answer("Answer: 3\\nWait, no.\\nAnswer: $\\\\frac{1}{2}$")
     '$\\\\frac{1}{2}$'
@@ -48,7 +48,7 @@ def extract_dapo_answer(response: str) -> str | None:
     (None, None)
     """
     last = last_match(_ANSWER_LINE, after_thinking(response))
-    return None if last is None else last.group(1).strip()
+    return (last.group(1).strip() or None) if last is not None else None
 
 
 def normalize_final_answer(answer: str) -> str:

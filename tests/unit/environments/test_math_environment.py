@@ -1,6 +1,8 @@
 """MathEnvironment: exact rewards from real math-verify in real worker processes, timeouts
-and dead or stuck workers that fail only their own samples, the multi-reward variant, config
-errors, the contract checker (in-process and as a Ray actor) and a rollout."""
+and dead or stuck workers that fail only their own samples (diagnostics in metadata and
+metrics, never in the observation), the multiple-choice and DAPO verifiers, the multi-reward
+mode and MathMultiRewardEnvironment, config errors, the contract checker (in-process and as a
+Ray actor) and rollouts."""
 
 from __future__ import annotations
 
@@ -13,8 +15,15 @@ import torch
 from envloop.config_errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
-from envloop.environments.math_environment import DEFAULTS, MathEnvironment
+from envloop.environments.math_environment import (
+    DEFAULTS,
+    MathEnvironment,
+    MathMultiRewardEnvironment,
+    _select_extracted_answer,
+    checker_name,
+)
 from envloop.environments.math_verification import math_equivalent
+from envloop.environments.process_pool import Outcome
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import make_batch
@@ -310,3 +319,204 @@ def test_max_attempts_retries_after_incorrect_until_right_or_out_of_attempts(tin
         assert (metrics["math_env/accuracy"], metrics["math_env/mean_attempts"]) == (0.5, 2.5)
     finally:
         env.shutdown()
+
+
+MULTICHOICE_RESPONSES = [
+    "B is wrong because...\nAnswer: C",
+    "**Answer:** (b)",  # a lower-case letter is not a choice
+    "答案：Ｂ",
+    "<think>Answer: A</think>\nAnswer: D",
+    "I am not sure.",
+]
+
+
+@pytest.mark.parametrize(
+    "verifier_type, rewards, answers",
+    [
+        ("english_multichoice", [1.0, 0.0, 0.0, 0.0, 0.0], ["C", None, None, "D", None]),
+        ("multilingual_multichoice", [1.0, 0.0, 1.0, 0.0, 0.0], ["C", None, "B", "D", None]),
+    ],
+)
+def test_multichoice_verifiers(verifier_type, rewards, answers):
+    env = MathEnvironment({"verifier_type": verifier_type})
+    metadata = truths("C", "B", "B", "A", "C")
+    ret = env.step(logs(*MULTICHOICE_RESPONSES), metadata)
+    assert env.verifier is None  # plain string work: no worker processes
+    assert ret.rewards.tolist() == rewards
+    assert [o["content"] for o in ret.observations] == [
+        CORRECT if r else INCORRECT for r in rewards
+    ]
+    assert ret.answers == answers
+    assert ret.metadata == metadata
+    assert ret.terminateds.tolist() == [True] * 5
+
+
+DAPO_RESPONSES = [
+    "The total is...\nAnswer: 1,000 dollars",
+    r"Answer: $\dfrac12$",
+    "Answer: 0.5",  # text comparison: 0.5 is not \frac{1}{2}
+    r"<think>Answer: 7</think>The answer is \boxed{7}.",  # no answer line after thinking
+]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"verifier_type": "dapo"}, {"verifier_type": "math", "math_verify_impl": "dapo_math_verify"}],
+)
+def test_dapo_verifier_both_ways_of_selecting_it(config):
+    env = MathEnvironment(config)
+    ret = env.step(logs(*DAPO_RESPONSES), truths("1000", r"\frac{1}{2}", r"\frac{1}{2}", "7"))
+    assert env.checker == "dapo_math_verify" and env.verifier is None
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert ret.answers == ["1000", r"\frac{1}{2}", "0.5", None]
+    assert [o["content"] for o in ret.observations] == [CORRECT, CORRECT, INCORRECT, INCORRECT]
+    assert env.check([("3", "Answer: 3"), ("3", "Answer: 4")]) == [
+        Outcome(value=True),
+        Outcome(value=False),
+    ]
+
+
+def test_return_extracted_answer_is_accepted_and_answers_are_one_per_sample(env):
+    responses = [r"The answer is \boxed{42}", "I don't know.", r"\boxed{137}"]
+    metadata = truths("42", "42", "42")
+    positional = env.step(logs(*responses), metadata, True)
+    keyword = env.step(logs(*responses), metadata, return_extracted_answer=True)
+    plain = env.step(logs(*responses), metadata)
+    for ret in (positional, keyword, plain):
+        assert ret.rewards.tolist() == [1.0, 0.0, 0.0]
+        assert ret.answers == ["42", None, "137"]
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({}, "hf_math_verify"),
+        ({"verifier_type": None, "math_verify_impl": None}, "hf_math_verify"),
+        ({"verifier_type": "dapo"}, "dapo_math_verify"),
+        ({"math_verify_impl": "dapo_math_verify"}, "dapo_math_verify"),
+        ({"verifier_type": "english_multichoice"}, "english_multichoice"),
+        ({"verifier_type": "multilingual_multichoice"}, "multilingual_multichoice"),
+    ],
+)
+def test_checker_name(config, expected):
+    assert checker_name(config) == expected
+
+
+def test_verifier_config_errors_list_the_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        MathEnvironment({"verifier_type": "english_multichoise", "math_verify_impl": "sympy"})
+    assert info.value.problems == [
+        "verifier_type: 'english_multichoise' is not one of math, english_multichoice, "
+        "multilingual_multichoice, dapo. Did you mean 'english_multichoice'?",
+        "math_verify_impl: 'sympy' is not one of hf_math_verify, dapo_math_verify",
+    ]
+    contradictions = {
+        "math_verify_impl: 'hf_math_verify' contradicts verifier_type 'dapo'; drop one": {
+            "verifier_type": "dapo",
+            "math_verify_impl": "hf_math_verify",
+        },
+        "math_verify_impl: 'dapo_math_verify' applies to verifier_type 'math', not "
+        "'english_multichoice'; drop it, or use verifier_type 'dapo'": {
+            "verifier_type": "english_multichoice",
+            "math_verify_impl": "dapo_math_verify",
+        },
+        "reward_mode: 'multi' scores one \\boxed{} answer, a math-verify format; it needs "
+        "verifier_type 'math' with math_verify_impl 'hf_math_verify'": {
+            "verifier_type": "dapo",
+            "reward_mode": "multi",
+        },
+    }
+    for problem, config in contradictions.items():
+        with pytest.raises(ConfigError) as info:
+            MathEnvironment(config)  # type: ignore[arg-type]
+        assert info.value.problems == [problem]
+    with pytest.raises(ConfigError) as info:
+        MathMultiRewardEnvironment({"reward_mode": "correctness"})
+    assert info.value.problems == [
+        "reward_mode: not an option of math_multi_reward (it has 3 rewards)"
+    ]
+    with pytest.raises(ConfigError) as info:
+        MathMultiRewardEnvironment({"verifier_type": "english_multichoice"})
+    assert info.value.problems == [
+        "verifier_type: math_multi_reward checks <answer> tags with math-verify only; drop "
+        "verifier_type and math_verify_impl"
+    ]
+
+
+@pytest.mark.parametrize(
+    "extracted, impl, expected",
+    [
+        ((["42"], ["137"]), "hf_math_verify", "137"),
+        ((["42"], ["7", " 42 "]), "hf_math_verify", "42"),
+        ((["42"], []), "hf_math_verify", None),
+        ((["42"], [""]), "hf_math_verify", ""),
+        ((None, 3), "hf_math_verify", None),  # malformed parts: nothing usable
+        ([["a"], ["a"], ["b"]], "hf_math_verify", None),
+        (17, "hf_math_verify", None),
+        ("137", "dapo_math_verify", "137"),
+        (["137"], "dapo_math_verify", None),
+    ],
+)
+def test_select_extracted_answer_is_total(extracted, impl, expected):
+    assert _select_extracted_answer(extracted, impl) == expected
+
+
+@pytest.fixture(scope="module")
+def tagged_env():
+    env = MathMultiRewardEnvironment({"num_workers": 1, "verify_timeout_s": TIMEOUT_S})
+    yield env
+    env.shutdown()
+
+
+TAGGED = [
+    # (response, ground truth, correctness, integer, format)
+    ("<think>2 + 2 = 4</think>\n<answer>4</answer>", "4", 1.0, 1.0, 1.0),
+    ("<think>half</think>\n<answer>0.5</answer>", "1/2", 1.0, 0.0, 1.0),  # by math-verify
+    ("<think>3 * 4</think>\n<answer>12.5</answer>", "12", 0.0, 0.0, 1.0),
+    ("<think>10 - 5 = 5\n<answer>5</answer>", "5", 1.0, 1.0, 0.0),  # unclosed think
+    ("<think>a</think><answer>7</answer>", "7", 1.0, 1.0, 0.0),  # no newline between
+    ("<think>a</think>\n<answer>-3</answer>", "-3", 1.0, 0.0, 1.0),  # not non-negative
+    ("<think>a</think>\n<answer>1</answer>\n<answer>2</answer>", "2", 1.0, 1.0, 0.0),
+    ("<think>a</think>\n<answer> 12 </answer>\n", "12", 1.0, 1.0, 1.0),
+    ("<think>a</think>\n<answer>\\boxed{3}</answer>", "3", 1.0, 0.0, 1.0),
+    ("4", "4", 0.0, 0.0, 0.0),  # no answer tags: no answer
+    ("<think>a</think>\n<answer>x = 1</answer>", "1", 1.0, 0.0, 1.0),
+    ("<think>a</think>\n<answer>x^2 = 1</answer>", "1", 0.0, 0.0, 1.0),
+]
+
+
+def test_multi_reward_environment_components_are_exact(tagged_env):
+    ret = tagged_env.step(logs(*[t[0] for t in TAGGED]), truths(*[t[1] for t in TAGGED]))
+    assert set(ret.rewards) == {"reward/correctness", "reward/integer", "reward/format"}
+    assert {v.dtype for v in ret.rewards.values()} == {torch.float32}
+    assert ret.rewards["reward/correctness"].tolist() == [t[2] for t in TAGGED]
+    assert ret.rewards["reward/integer"].tolist() == [t[3] for t in TAGGED]
+    assert ret.rewards["reward/format"].tolist() == [t[4] for t in TAGGED]
+    assert [o["content"] for o in ret.observations] == [
+        CORRECT if t[2] else INCORRECT for t in TAGGED
+    ]
+    assert ret.answers[:4] == ["4", r"\frac{1}{2}", "12.5", "5"]
+    assert ret.answers[9] is None
+    assert ret.metadata == truths(*[t[1] for t in TAGGED])
+    assert ret.terminateds.tolist() == [True] * len(TAGGED)
+
+
+def test_multi_reward_environment_in_a_rollout(tagged_env, tiny_tokenizer):
+    samples = [
+        {"task": "math", "prompt": "Two plus two?", "metadata": {"ground_truth": "4"}},
+        {"task": "math", "prompt": "Half?", "metadata": {"ground_truth": "1/2"}},
+    ]
+
+    def respond(prompt: str) -> str:
+        answer = "4" if "Two" in prompt else "0.4"
+        return f"<think>hmm</think>\n<answer>{answer}</answer>"
+
+    policy = ScriptedGeneration(tiny_tokenizer, respond)
+    batch = make_batch(tiny_tokenizer, samples)
+    final, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"math": tagged_env}, 256)
+    assert final["reward/correctness"].tolist() == [1.0, 0.0]
+    assert final["reward/integer"].tolist() == [1.0, 0.0]
+    assert final["reward/format"].tolist() == [1.0, 1.0]
+    assert final["total_reward"].tolist() == [3.0, 1.0]
+    _, metrics = tagged_env.global_post_process_and_metrics(final)
+    assert (metrics["math_env/accuracy"], metrics["math_env/timeouts"]) == (0.5, 0)
