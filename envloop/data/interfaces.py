@@ -9,6 +9,10 @@ A *message* is a plain dict so that it crosses process and Ray boundaries cheapl
 - ``generation_logprobs``: 1-D float32 tensor, one per token, on generated messages.
 """
 
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 import torch
@@ -52,3 +56,46 @@ class DatumSpec(TypedDict):
     idx: int
     task_name: str
     stop_strings: NotRequired[list[str] | None]
+
+
+@dataclass
+class TaskDataSpec:
+    """How a dataset's samples are prompted (the published interface's task spec).
+
+    ``prompt_file`` and ``system_prompt_file`` are read on construction into ``prompt`` and
+    ``system_prompt`` (None without a file). ``prompt`` is a format string applied to the
+    first user message's text, e.g. ``"Solve: {}"``; ``get_formatted_message_log`` applies it.
+
+    >>> spec = TaskDataSpec(task_name="math")
+    >>> spec.prompt is None, spec.system_prompt is None
+    (True, True)
+    """
+
+    task_name: str | None = None
+    prompt_file: str | os.PathLike[str] | None = None
+    system_prompt_file: str | os.PathLike[str] | None = None
+    prompt: str | None = field(init=False, default=None)
+    system_prompt: str | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.prompt = _read_prompt(self.prompt_file, "prompt_file")
+        self.system_prompt = _read_prompt(self.system_prompt_file, "system_prompt_file")
+
+    def copy_defaults(self, from_spec: TaskDataSpec) -> None:
+        """Take ``prompt`` and ``system_prompt`` from ``from_spec`` where this spec has none."""
+        if self.prompt is None:
+            self.prompt = from_spec.prompt
+        if self.system_prompt is None:
+            self.system_prompt = from_spec.system_prompt
+
+
+def _read_prompt(path: str | os.PathLike[str] | None, name: str) -> str | None:
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"TaskDataSpec {name}={os.fspath(path)!r} does not exist; pass the path of a text "
+            "file holding the prompt, or None."
+        )
+    with open(path, encoding="utf-8") as f:
+        return f.read()

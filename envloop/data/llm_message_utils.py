@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from envloop.data.chat_templates import render_chat
-from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType
+from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType, TaskDataSpec
 from envloop.data.tokenization import tokenize_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
@@ -26,10 +26,13 @@ def get_keys_from_message_log(
 
 
 def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessagesType:
-    """Per key, the messages' tensors concatenated (1-D) and other values listed.
+    """Per key, the messages' tensors concatenated along dim 0 and other values listed.
 
     Per-token tensors stay aligned with ``token_ids``: a message that has ``token_ids`` but
-    lacks another tensor key (e.g. a prompt has no ``generation_logprobs``) contributes zeros.
+    lacks another tensor key (e.g. a prompt has no ``generation_logprobs``) contributes zeros
+    ([T, *trailing] of the key's dtype). Messages without ``token_ids`` contribute nothing to
+    keys they lack. A key's tensors must agree in dtype, device, rank and trailing shape
+    (``RuntimeError`` naming the key otherwise).
 
     >>> log = [
     ...     {"role": "user", "content": "a", "token_ids": torch.tensor([1, 2])},
@@ -40,18 +43,18 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
     >>> flat["token_ids"].tolist(), flat["generation_logprobs"].tolist(), flat["content"]
     ([1, 2, 3], [0.0, 0.0, -0.5], ['a', 'b'])
     """
-    tensor_keys: dict[str, torch.dtype] = {}
+    templates: dict[str, torch.Tensor] = {}
     for message in message_log:
         for key, value in message.items():
             if isinstance(value, torch.Tensor):
-                tensor_keys.setdefault(key, value.dtype)
+                templates.setdefault(key, value)
     flat: FlatMessagesType = {}
-    for key, dtype in tensor_keys.items():
-        parts = [_per_token_part(message, key, dtype) for message in message_log]
-        flat[key] = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
+    for key, template in templates.items():
+        parts = [_per_token_part(message, key, template) for message in message_log]
+        flat[key] = _concat_parts(key, [p for p in parts if p is not None])
     for message in message_log:
         for key, value in message.items():
-            if key not in tensor_keys:
+            if key not in templates:
                 flat.setdefault(key, []).append(value)  # type: ignore[union-attr]
     return flat
 
@@ -61,46 +64,52 @@ def batched_message_log_to_flat_message(
     pad_value_dict: Mapping[str, int | float] | None = None,
     make_sequence_length_divisible_by: int = 1,
 ) -> tuple[BatchedDataDict[Any], torch.Tensor]:
-    """Flatten every log and right-pad its tensors to one length.
+    """Flatten every log (``message_log_to_flat_messages``) and right-pad its tensors.
 
-    Returns ``(flat, input_lengths)``: ``flat[key]`` is [B, L] for tensor keys (padded with
-    ``pad_value_dict[key]``, default 0; L rounded up to a multiple of
-    ``make_sequence_length_divisible_by``) and a list of per-sample lists otherwise;
-    ``input_lengths`` is [B] int32, the unpadded ``token_ids`` lengths. Every tensor key has
-    the same L and stays aligned with ``token_ids``: a sample's tokens whose messages lack
-    the key hold 0.
+    Returns ``(flat, input_lengths)``. Every tensor key present in any message becomes
+    [B, L, *trailing] (e.g. ``token_ids`` [B, L], a per-token [T, K] tensor [B, L, K]),
+    keeping its dtype and device, padded with ``pad_value_dict[key]`` (default 0); all tensor
+    keys share L, the longest flattened tensor rounded up to a multiple of
+    ``make_sequence_length_divisible_by``. A sample with no tensor for a key gets an all-pad
+    row. ``input_lengths`` is [B] int32: per sample, its longest flattened tensor (its
+    ``token_ids`` length for tokenized logs). Other keys become per-sample lists of the
+    messages' values (``[]`` for a sample without the key). A batch with no tensors at all
+    maps each key to each sample's first value (None if absent) with empty
+    ``input_lengths``, as the published interface does; an empty batch gives an empty
+    result. Logs need no ``token_ids`` (the rollout engine checks its own input with
+    ``require_token_ids``). Inconsistent tensors raise ``RuntimeError`` naming the key.
 
     >>> logs = [[{"role": "user", "content": "a", "token_ids": torch.tensor([1, 2, 3])}],
     ...         [{"role": "user", "content": "b", "token_ids": torch.tensor([4])}]]
     >>> flat, lengths = batched_message_log_to_flat_message(logs, {"token_ids": 0}, 4)
-    >>> flat["token_ids"].tolist(), lengths.tolist()
-    ([[1, 2, 3, 0], [4, 0, 0, 0]], [3, 1])
+    >>> flat["token_ids"].tolist(), lengths.tolist(), flat["role"]
+    ([[1, 2, 3, 0], [4, 0, 0, 0]], [3, 1], [['user'], ['user']])
     """
     if make_sequence_length_divisible_by < 1:
         raise ValueError(
             "make_sequence_length_divisible_by must be >= 1, got "
             f"{make_sequence_length_divisible_by}."
         )
-    for i, log in enumerate(message_log_batch):
-        require_token_ids(log, sample_index=i)
     flats = [message_log_to_flat_messages(log) for log in message_log_batch]
     if not flats:
         return BatchedDataDict(), torch.empty(0, dtype=torch.int32)
-    lengths = torch.tensor([len(f.get("token_ids", ())) for f in flats], dtype=torch.int32)
+    keys = _union_keys(flats)
+    tensor_keys = [k for k in keys if any(isinstance(f.get(k), torch.Tensor) for f in flats)]
+    if not tensor_keys:
+        first_values = {k: [f[k][0] if k in f else None for f in flats] for k in keys}
+        return BatchedDataDict(first_values), torch.empty(0, dtype=torch.int32)
+    lengths = [max((len(f[k]) for k in tensor_keys if k in f), default=0) for f in flats]
+    step = make_sequence_length_divisible_by
+    width = -(-max(lengths) // step) * step
     pad_values = dict(pad_value_dict or {})
-    # One width for every tensor key, so per-token columns stay aligned with token_ids.
-    width = max(
-        (len(v) for f in flats for v in f.values() if isinstance(v, torch.Tensor)), default=0
-    )
-    width = -(-width // make_sequence_length_divisible_by) * make_sequence_length_divisible_by
     out: BatchedDataDict[Any] = BatchedDataDict()
-    for key in _union_keys(flats):
+    for key in keys:
         values = [f.get(key) for f in flats]
-        if any(isinstance(v, torch.Tensor) for v in values):
-            out[key] = _pad_rows(values, lengths.tolist(), pad_values.get(key, 0), width)
+        if key in tensor_keys:
+            out[key] = _pad_rows(key, values, pad_values.get(key, 0), width)
         else:
             out[key] = [v if v is not None else [] for v in values]
-    return out, lengths
+    return out, torch.tensor(lengths, dtype=torch.int32)
 
 
 def add_loss_mask_to_message_log(
@@ -110,14 +119,23 @@ def add_loss_mask_to_message_log(
 ) -> None:
     """Add ``token_loss_mask`` ([T] bool) to every message, in place.
 
-    A message is trained on (all True) when its role is in ``roles_to_train_on`` and, with
-    ``only_unmask_final``, it is the last message of its log; otherwise all False.
+    A message is trained on (all True) when its role is in ``roles_to_train_on`` (compared
+    case-insensitively) and, with ``only_unmask_final``, it is the last message of its log;
+    otherwise all False. (The published version unmasks the last message whatever its role
+    under ``only_unmask_final``; here its role must still be one to train on.)
+
+    >>> log = [{"role": "user", "token_ids": torch.tensor([1, 2])},
+    ...        {"role": "Assistant", "token_ids": torch.tensor([3])}]
+    >>> add_loss_mask_to_message_log([log], roles_to_train_on=["assistant"])
+    >>> [m["token_loss_mask"].tolist() for m in log]
+    [[False, False], [True]]
     """
-    roles = set(roles_to_train_on)
+    roles = {role.lower() for role in roles_to_train_on}
     for log in message_log_batch:
         last = len(log) - 1
         for i, message in enumerate(log):
-            train = message["role"] in roles and (not only_unmask_final or i == last)
+            role = str(message["role"]).lower()
+            train = role in roles and (not only_unmask_final or i == last)
             n = len(message["token_ids"])
             message["token_loss_mask"] = torch.full((n,), train, dtype=torch.bool)
 
@@ -125,9 +143,12 @@ def add_loss_mask_to_message_log(
 def get_formatted_message_log(
     message_log: LLMMessageLogType,
     tokenizer: Any,
+    task_data_spec: TaskDataSpec | None = None,
     add_bos_token: bool = True,
     add_eos_token: bool = True,
     add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    debug: bool = False,
 ) -> LLMMessageLogType:
     """Apply the tokenizer's chat template message by message.
 
@@ -140,18 +161,44 @@ def get_formatted_message_log(
     ``add_eos_token`` appends EOS to the last message when its tokens hold no EOS and no
     generation prompt follows. The template must render each prefix of the conversation
     as a prefix of the next rendering (true of ChatML, Llama 3 and most templates).
+
+    ``task_data_spec`` (third, as in the published signature): its ``prompt``, a format
+    string, is applied to the first user message's content (``prompt.format(content)``)
+    before templating; the returned message carries the formatted content. ``tools`` is
+    passed to the chat template; ``debug`` prints each message's templated chunk.
     """
+    if isinstance(task_data_spec, bool):
+        raise TypeError(
+            "get_formatted_message_log's third parameter is task_data_spec (a TaskDataSpec or "
+            "None); pass add_bos_token and the other flags by keyword."
+        )
+    log = _with_task_prompt(message_log, task_data_spec)
     texts: list[str] = []
-    for i in range(len(message_log)):
-        prompt = add_generation_prompt and i == len(message_log) - 1
-        texts.append(render_chat(tokenizer, message_log[: i + 1], add_generation_prompt=prompt))
+    for i in range(len(log)):
+        prompt = add_generation_prompt and i == len(log) - 1
+        texts.append(_render(tokenizer, log[: i + 1], prompt, tools))
     deltas = _prefix_deltas(texts)
+    if debug:
+        _print_turns(log, deltas, texts[-1] if texts else "")
     token_lists = tokenize_texts(tokenizer, deltas)
     _add_bos_eos(token_lists, tokenizer, add_bos_token, add_eos_token and not add_generation_prompt)
     return [
         {**message, "token_ids": torch.tensor(ids, dtype=torch.long)}
-        for message, ids in zip(message_log, token_lists)
+        for message, ids in zip(log, token_lists)
     ]
+
+
+def get_first_index_that_differs(str1: str, str2: str) -> int:
+    """The first index where ``str1`` and ``str2`` differ (the shorter length if one is a
+    prefix of the other).
+
+    >>> get_first_index_that_differs("hello", "help"), get_first_index_that_differs("ab", "abc")
+    (3, 2)
+    """
+    for i, (a, b) in enumerate(zip(str1, str2)):
+        if a != b:
+            return i
+    return min(len(str1), len(str2))
 
 
 def require_token_ids(message_log: LLMMessageLogType, sample_index: int | None = None) -> None:
@@ -176,12 +223,60 @@ def require_token_ids(message_log: LLMMessageLogType, sample_index: int | None =
             )
 
 
-def _per_token_part(message: Mapping[str, Any], key: str, dtype: torch.dtype) -> torch.Tensor:
+def _per_token_part(
+    message: Mapping[str, Any], key: str, template: torch.Tensor
+) -> torch.Tensor | None:
+    """The message's tensor for ``key``; zeros over its tokens if it lacks one; else None."""
     value = message.get(key)
     if isinstance(value, torch.Tensor):
         return value
-    n = len(message["token_ids"]) if "token_ids" in message else 0
-    return torch.zeros(n, dtype=dtype)
+    ids = message.get("token_ids")
+    if not isinstance(ids, torch.Tensor) or template.dim() == 0:
+        return None
+    shape = (len(ids), *template.shape[1:])
+    return torch.zeros(shape, dtype=template.dtype, device=template.device)
+
+
+def _concat_parts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    _validate_tensor_consistency(parts, key, "in one message log")
+    if parts[0].dim() == 0:
+        raise RuntimeError(
+            f"tensors for {key=} must be at least 1-D (one entry per token), got a 0-d "
+            "tensor; store a per-message scalar as a Python number or a 1-element tensor."
+        )
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _validate_tensor_consistency(
+    tensors: Sequence[torch.Tensor | None], key: str = "tensors", where: str = ""
+) -> None:
+    """Raise ``RuntimeError`` (published wording, then the key and the fix) unless the
+    tensors (Nones skipped) agree in dtype, device, rank and shape after dim 0."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return
+    first = present[0]
+    if any(t.dtype != first.dtype for t in present):
+        raise RuntimeError(
+            f"expected consistent types but got: {[t.dtype for t in present]} for {key=} "
+            f"{where}. Give every {key!r} tensor one dtype (e.g. .to({first.dtype}))."
+        )
+    if any(t.device != first.device for t in present):
+        raise RuntimeError(
+            f"expected tensors on the same device but got: {[t.device for t in present]} for "
+            f"{key=} {where}. Move them to one device first (e.g. .to('{first.device}'))."
+        )
+    if any(t.dim() != first.dim() for t in present):
+        raise RuntimeError(
+            f"tensors for {key=} must have same number of dimensions: "
+            f"{[tuple(t.shape) for t in present]} ({where}). Per-token tensors are [T] or "
+            "[T, ...] with the same trailing dims in every message."
+        )
+    if any(t.shape[1:] != first.shape[1:] for t in present):
+        raise RuntimeError(
+            f"tensors for {key=} must have the same shape after dim 0: "
+            f"{[tuple(t.shape) for t in present]} ({where})."
+        )
 
 
 def _union_keys(flats: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -191,20 +286,66 @@ def _union_keys(flats: Sequence[Mapping[str, Any]]) -> list[str]:
     return list(keys)
 
 
-def _pad_rows(
-    rows: list[Any], lengths: list[int], pad_value: int | float, width: int
-) -> torch.Tensor:
-    # A sample whose messages all lack the key gets zeros over its tokens, as a single
-    # message lacking it does in message_log_to_flat_messages.
-    dtype = next(r.dtype for r in rows if isinstance(r, torch.Tensor))
-    tensors = [
-        r if isinstance(r, torch.Tensor) else torch.zeros(n, dtype=dtype)
-        for r, n in zip(rows, lengths)
-    ]
-    out = torch.full((len(tensors), width), pad_value, dtype=dtype)
-    for i, t in enumerate(tensors):
-        out[i, : len(t)] = t
+def _pad_rows(key: str, rows: list[Any], pad_value: int | float, width: int) -> torch.Tensor:
+    """[B, width, *trailing] of ``pad_value`` with each sample's tensor at the start of its row."""
+    tensors = [r for r in rows if isinstance(r, torch.Tensor)]
+    if len(tensors) != sum(r is not None for r in rows):
+        raise RuntimeError(
+            f"expected consistent types but {key=} holds a tensor in some samples and another "
+            "type in others. Store it as a tensor in every message, or in none."
+        )
+    _validate_tensor_consistency(tensors, key, "across the batch")
+    first = tensors[0]
+    out = torch.full(
+        (len(rows), width, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device
+    )
+    lengths = torch.tensor([len(r) if r is not None else 0 for r in rows], device=first.device)
+    filled = torch.arange(width, device=first.device) < lengths[:, None]
+    out[filled] = torch.cat(tensors) if len(tensors) > 1 else first
     return out
+
+
+def _with_task_prompt(
+    message_log: LLMMessageLogType, spec: TaskDataSpec | None
+) -> LLMMessageLogType:
+    """``message_log`` with ``spec.prompt`` applied to the first user message's content."""
+    prompt = getattr(spec, "prompt", None)
+    first_user = next((i for i, m in enumerate(message_log) if m.get("role") == "user"), None)
+    if not prompt or first_user is None:
+        return list(message_log)
+    out = list(message_log)
+    out[first_user] = {**out[first_user], "content": prompt.format(out[first_user]["content"])}
+    return out
+
+
+def _render(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    if tools is None:
+        return render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"Tokenizer {type(tokenizer).__name__} has no chat_template, so tools cannot be "
+            "rendered; set tokenizer.chat_template."
+        )
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
+    )
+
+
+def _print_turns(log: LLMMessageLogType, chunks: list[str], whole: str) -> None:
+    """The ``debug`` output of ``get_formatted_message_log``: each turn's templated chunk."""
+    rule = "=" * 80
+    print(f"\n{rule}\nDEBUG: Individual message turns from apply_chat_template\n{rule}")
+    for i, (message, chunk) in enumerate(zip(log, chunks)):
+        print(f"\n[Turn {i + 1}/{len(log)}] Role: {message['role']}\n{'-' * 40}")
+        print(f"Extracted message chunk:\n{chunk!r}\nRaw text (len={len(chunk)}):\n{chunk}")
+        print("-" * 40)
+    print(f"\n{rule}\nDEBUG: Complete formatted conversation:\n{'-' * 80}\n{whole}\n{rule}\n")
 
 
 def _prefix_deltas(texts: list[str]) -> list[str]:

@@ -116,11 +116,12 @@ def test_batched_flat_message_right_pads_each_key_with_its_pad_value():
     assert type(flat) is BatchedDataDict
     assert flat["token_ids"].tolist() == [[1, 2, 3, 4, 5], [7, 99, 99, 99, 99]]
     assert flat["token_ids"].dtype == torch.int64
-    # Prompt tokens, which have no logprobs, hold zeros (aligned with token_ids); only the
-    # positions past a sample's tokens hold the pad value.
+    # Prompt tokens, which have no logprobs, hold zeros (aligned with token_ids) and the
+    # positions past a sample's tokens the pad value; a sample with no logprobs at all gets
+    # an all-pad row.
     assert flat["generation_logprobs"].tolist() == [
         [0.0, 0.0, 0.0, -0.25, -0.5],
-        [0.0, -9.0, -9.0, -9.0, -9.0],
+        [-9.0, -9.0, -9.0, -9.0, -9.0],
     ]
     assert flat["role"] == [["user", "assistant"], ["user"]]
     assert flat["content"] == [["user3", "assistant2"], ["user1"]]
@@ -144,7 +145,7 @@ def test_batched_flat_message_keeps_every_tensor_key_as_wide_as_token_ids():
     assert flat["token_ids"].tolist() == [[1, 2, 0, 0, 0, 0], [3, 4, 5, 6, 0, 0]]
     assert flat["generation_logprobs"].tolist() == [
         [0.0, -1.0, -5.0, -5.0, -5.0, -5.0],
-        [0.0, 0.0, 0.0, 0.0, -5.0, -5.0],
+        [-5.0, -5.0, -5.0, -5.0, -5.0, -5.0],
     ]
     assert lengths.tolist() == [2, 4]
 
@@ -178,13 +179,24 @@ def test_batched_flat_message_of_an_empty_batch_is_empty():
     assert lengths.shape == (0,)
 
 
-def test_batched_flat_message_names_the_sample_and_message_missing_token_ids():
+def test_batched_flat_message_needs_no_token_ids():
+    # The flattener pads whatever tensors the messages hold; a message without token_ids
+    # adds nothing to the keys it lacks. (The rollout engine checks its own input with
+    # require_token_ids.)
     logs = _two_logs()
     logs[1].append({"role": "assistant", "content": "untokenized"})
+    flat, lengths = batched_message_log_to_flat_message(logs)
+    assert flat["token_ids"].tolist() == [[1, 2, 3, 4, 5], [7, 0, 0, 0, 0]]
+    assert flat["role"] == [["user", "assistant"], ["user", "assistant"]]
+    assert lengths.tolist() == [5, 1]
+
+
+def test_require_token_ids_names_the_sample_and_message_missing_token_ids():
+    log = [_message("user", [7]), {"role": "assistant", "content": "untokenized"}]
     with pytest.raises(
         ValueError, match=re.escape("sample 1, message 1 (role 'assistant') has no 'token_ids'")
     ):
-        batched_message_log_to_flat_message(logs)
+        require_token_ids(log, sample_index=1)
 
 
 @pytest.mark.parametrize(
@@ -196,11 +208,11 @@ def test_batched_flat_message_names_the_sample_and_message_missing_token_ids():
         ([1, 2], "list"),
     ],
 )
-def test_batched_flat_message_rejects_token_ids_that_are_not_1d_int64(token_ids, described):
-    logs = [[{"role": "user", "content": "x", "token_ids": token_ids}]]
+def test_require_token_ids_rejects_token_ids_that_are_not_1d_int64(token_ids, described):
+    log = [{"role": "user", "content": "x", "token_ids": token_ids}]
     message = f"sample 0, message 0: 'token_ids' must be a 1-D int64 tensor, got {described}."
     with pytest.raises(ValueError, match=re.escape(message)):
-        batched_message_log_to_flat_message(logs)
+        require_token_ids(log, sample_index=0)
 
 
 def test_require_token_ids_without_a_sample_index():
@@ -247,7 +259,9 @@ def test_padding_never_changes_unpadded_content(logs, divisor, pad):
         assert flat["token_ids"][i, :n].tolist() == _concat_ids(log)
         assert flat["token_ids"][i, n:].tolist() == [pad] * (width - n)
         assert flat["role"][i] == [m["role"] for m in log]
-        if has_logprobs:
+        if has_logprobs and not any("generation_logprobs" in m for m in log):
+            assert flat["generation_logprobs"][i].tolist() == [float(pad)] * width
+        elif has_logprobs:
             logprobs = [
                 lp
                 for m in log
