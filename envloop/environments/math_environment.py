@@ -192,7 +192,7 @@ class MathEnvironment(EnvironmentInterface):
     def _check_texts(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
         if self.verifier is None:
             check = _STRING_CHECKS[self.checker]
-            return [Verdict(*check(truth, text)) for truth, text in pairs]
+            return [_string_verdict(check, truth, text) for truth, text in pairs]
         return [_math_verdict(outcome) for outcome in self.verifier.grade(pairs)]
 
     def _checked_text(self, response: str) -> str | None:
@@ -234,8 +234,9 @@ class MathEnvironment(EnvironmentInterface):
 
     def shutdown(self) -> None:
         """Stop the worker processes."""
-        if getattr(self, "verifier", None) is not None:
-            self.verifier.close()  # type: ignore[union-attr]
+        verifier = getattr(self, "verifier", None)  # absent when __init__ raised
+        if verifier is not None:
+            verifier.close()
 
     def __del__(self) -> None:
         self.shutdown()
@@ -351,6 +352,16 @@ def _math_verdict(outcome: Outcome) -> Verdict:
     grade: MathGrade = outcome.value
     answer = _select_extracted_answer((grade.gold, grade.predicted), "hf_math_verify")
     return Verdict(grade.correct, answer)
+
+
+def _string_verdict(
+    check: Callable[[str, str], tuple[bool, str | None]], truth: str, text: str
+) -> Verdict:
+    """An in-process check's verdict; one that raises fails only its own sample."""
+    try:
+        return Verdict(*check(truth, text))
+    except Exception as exc:
+        return Verdict(False, None, f"{type(exc).__name__}: {exc}")
 
 
 def _unchecked(truth: str | None) -> Verdict:

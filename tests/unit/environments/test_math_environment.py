@@ -16,6 +16,7 @@ from envloop.config_errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
 from envloop.environments.math_environment import (
+    _STRING_CHECKS,
     DEFAULTS,
     MathEnvironment,
     MathMultiRewardEnvironment,
@@ -23,6 +24,7 @@ from envloop.environments.math_environment import (
     checker_name,
 )
 from envloop.environments.math_verification import math_equivalent
+from envloop.environments.multichoice_answers import grade_choice
 from envloop.environments.process_pool import Outcome
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
@@ -374,6 +376,21 @@ def test_dapo_verifier_both_ways_of_selecting_it(config):
         Outcome(value=True),
         Outcome(value=False),
     ]
+
+
+def test_an_in_process_check_that_raises_fails_only_its_sample(monkeypatch):
+    def check(truth, response):
+        if "boom" in response:
+            raise RuntimeError("no letters here")
+        return grade_choice(truth, response)
+
+    monkeypatch.setitem(_STRING_CHECKS, "english_multichoice", check)
+    env = MathEnvironment({"verifier_type": "english_multichoice"})
+    ret = env.step(logs("Answer: A", "boom"), truths("A", "A"))
+    assert ret.rewards.tolist() == [1.0, 0.0]
+    assert [o["content"] for o in ret.observations] == [CORRECT, INCORRECT]
+    error = "RuntimeError: no letters here"
+    assert ret.metadata[1] == {"ground_truth": "A", "verification_error": error}
 
 
 def test_return_extracted_answer_is_accepted_and_answers_are_one_per_sample(env):
