@@ -1,42 +1,108 @@
-"""The reward-model environment's options, validated once, and the model they load.
+"""The reward-model environment's options, declared once and validated once.
 
-Ray actor resources are options of the actor, not of the environment: ``create_env`` applies
-them, so pass ``create_env("reward_model", cfg, **reward_model_ray_options(cfg))``.
+Every key of a published NeMo-RL reward-model environment block is accepted, in one of
+three groups:
+
+(a) **Scoring keys**, honoured: ``enabled``, ``model_name``, ``tokenizer`` (a name or
+    ``{name, chat_template, chat_template_kwargs}``), ``precision``, ``batch_size``,
+    ``logprob_batch_size``, ``checkpoint_path``, ``max_model_len``, ``resources``,
+    ``reward_model_cfg``, ``dynamic_batching`` and ``sequence_packing``.
+(b) **Not used for scoring** (they configure NeMo-RL's trainer or data pipeline):
+    ``processor`` (a data-processor name such as ``math_hf_data_processor``),
+    ``offload_optimizer_for_logprob``, ``max_grad_norm``, ``dtensor_cfg``, ``generation``,
+    ``dynamic_batching.train_mb_tokens`` and ``sequence_packing.train_mb_tokens``. They are
+    accepted, never rejected, and the environment names those present in one
+    :class:`UnusedConfigWarning` when it is constructed. The contents of ``dtensor_cfg`` and
+    ``generation`` are not checked: nothing in them is read.
+(c) **Anything else** fails in one :class:`~envloop.config_errors.ConfigError` that lists
+    every bad key with its dotted path and a close match ("did you mean").
+
+Each key's description is its comment below and its default is in :data:`DEFAULTS`
+(group (b) keys and ``logprob_batch_size`` have none: absent means unset). How aliases
+resolve (``batch_size`` / ``logprob_batch_size``, ``resources.gpus_per_node`` /
+``num_gpus``, the deprecated ``dynamic_batching.max_tokens_per_batch``) is in
+:mod:`envloop.environments.reward_model_checks`. Ray actor resources are options of the
+actor, not of the environment: pass ``create_env("reward_model", cfg,
+**reward_model_ray_options(cfg))``.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
-from typing import Any, TypedDict, cast
-
-import torch
+from typing import Any, TypedDict
 
 from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.environments.reward_model_checks import (
+    PRECISIONS,
+    UnusedConfigWarning,
+    resolve_aliases,
+    unused_keys,
+    value_problems,
+)
 
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = [
+    "DEFAULTS",
+    "PRECISIONS",
+    "RewardModelEnvironmentConfig",
+    "UnusedConfigWarning",
+    "reward_model_ray_options",
+    "unused_keys",
+    "validate_config",
+]
 
 
-class DynamicBatchingConfig(TypedDict):
-    enabled: bool  # sort conversations by length and pack batches within the token budget
-    max_tokens_per_batch: int  # padded tokens (rows x longest row) per batch, >= max_model_len
+class TokenizerConfig(TypedDict, total=False):
+    name: str  # hub id or folder of the tokenizer (absent: model_name)
+    chat_template: str | None  # None: contents concatenated; "default"; a .jinja file; a template
+    chat_template_kwargs: dict[str, Any] | None  # extra apply_chat_template arguments
 
 
 class ResourcesConfig(TypedDict, total=False):
     num_cpus: float  # CPUs Ray reserves for the environment actor
     num_gpus: float  # GPUs Ray reserves for it; the model runs on cuda when it gets one
+    gpus_per_node: float  # NeMo-RL's name for num_gpus (give one of the two)
+    num_nodes: int  # must be 1: the environment is one actor on one node
+
+
+class RewardModelCfg(TypedDict, total=False):
+    enabled: bool  # must be True
+    reward_model_type: str  # "bradley_terry": a one-label sequence classifier's score
+
+
+class DynamicBatchingConfig(TypedDict, total=False):
+    enabled: bool  # sort conversations by length, batch them within logprob_mb_tokens
+    logprob_mb_tokens: int  # padded tokens (rows x padded length) per scoring batch
+    sequence_length_round: int  # a batch's padded length is rounded up to a multiple of this
+    train_mb_tokens: int  # trainer-only: not used for scoring
+    max_tokens_per_batch: int  # deprecated: envloop's earlier name for logprob_mb_tokens
+
+
+class SequencePackingConfig(TypedDict, total=False):
+    enabled: bool  # several conversations per row, each attending only to itself
+    logprob_mb_tokens: int  # tokens per packed row (rounded length included)
+    algorithm: str  # packing algorithm, see envloop.data.packing (e.g. first_fit_decreasing)
+    sequence_length_round: int  # a packed row's length is rounded up to a multiple of this
+    microbatch_order: str  # "packer" (as packed) or "largest_first" (fullest rows first)
+    train_mb_tokens: int  # trainer-only: not used for scoring
 
 
 class RewardModelEnvironmentConfig(TypedDict, total=False):
     enabled: bool  # must be True: a config that disables the environment cannot create one
     model_name: str  # hub id or local folder of a one-label sequence-classification model
-    tokenizer: str | dict[str, str] | None  # None (= model_name), a name, or {"name": ...}
+    tokenizer: str | dict[str, Any] | None  # None (= model_name), a name, or a TokenizerConfig
     precision: str  # weights dtype: "float32", "bfloat16" or "float16"
     batch_size: int  # most conversations scored in one forward pass
+    logprob_batch_size: int  # the scoring batch size when batch_size is not given
     checkpoint_path: str | None  # state-dict file (.safetensors or torch) loaded on top
     max_model_len: int  # longer conversations are cut from the left to this many tokens
     resources: ResourcesConfig  # Ray actor resources, see reward_model_ray_options
+    reward_model_cfg: RewardModelCfg  # the kind of reward model
     dynamic_batching: DynamicBatchingConfig  # length-sorted batches within a token budget
+    sequence_packing: SequencePackingConfig  # packed rows; replaces dynamic batching
+    processor: str | None  # not used for scoring: NeMo-RL's dataset processor name
+    offload_optimizer_for_logprob: bool  # trainer-only: not used for scoring
+    max_grad_norm: float | None  # trainer-only: not used for scoring
+    dtensor_cfg: dict[str, Any] | None  # trainer-only (parallelism): not used for scoring
+    generation: dict[str, Any] | None  # trainer-only (vLLM settings): not used for scoring
 
 
 DEFAULTS: RewardModelEnvironmentConfig = {
@@ -48,32 +114,32 @@ DEFAULTS: RewardModelEnvironmentConfig = {
     "checkpoint_path": None,
     "max_model_len": 4096,
     "resources": {"num_cpus": 1, "num_gpus": 0},
-    "dynamic_batching": {"enabled": True, "max_tokens_per_batch": 32768},
+    "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"},
+    "dynamic_batching": {"enabled": True, "logprob_mb_tokens": 32768, "sequence_length_round": 1},
+    "sequence_packing": {
+        "enabled": False,
+        "logprob_mb_tokens": 8192,
+        "algorithm": "modified_first_fit_decreasing",
+        "sequence_length_round": 1,
+        "microbatch_order": "packer",
+    },
 }
-_NESTED: dict[str, type] = {"resources": ResourcesConfig, "dynamic_batching": DynamicBatchingConfig}
-_Check = tuple[str, Callable[[Any], bool], str]
-_VALUE_CHECKS: list[_Check] = [
-    ("enabled", lambda c: c["enabled"], "this config disables the environment; don't create it"),
-    ("model_name", lambda c: c["model_name"] != "", "give a hub id or a local folder"),
-    ("tokenizer", lambda c: _tokenizer_ok(c["tokenizer"]), 'use None, a name or {"name": ...}'),
-    ("precision", lambda c: c["precision"] in PRECISIONS, f"use one of {', '.join(PRECISIONS)}"),
-    ("batch_size", lambda c: c["batch_size"] >= 1, "use 1 or more"),
-    ("max_model_len", lambda c: c["max_model_len"] >= 1, "use 1 or more"),
-    ("checkpoint_path", lambda c: _is_file_or_none(c["checkpoint_path"]), "no such file"),
-    ("resources", lambda c: all(v >= 0 for v in _numbers(c["resources"])), "use counts >= 0"),
-    (
-        "dynamic_batching.max_tokens_per_batch",
-        lambda c: c["dynamic_batching"]["max_tokens_per_batch"] >= c["max_model_len"],
-        "raise it to at least max_model_len, so every conversation fits in a batch",
-    ),
-]
+_NESTED: dict[str, type] = {
+    "resources": ResourcesConfig,
+    "reward_model_cfg": RewardModelCfg,
+    "dynamic_batching": DynamicBatchingConfig,
+    "sequence_packing": SequencePackingConfig,
+}
 
 
 def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
-    """``config`` over :data:`DEFAULTS` (None = defaults); one ConfigError lists every problem.
+    """``config`` over :data:`DEFAULTS` (None = defaults), aliases resolved; one
+    :class:`~envloop.config_errors.ConfigError` lists every problem.
 
     >>> validate_config({"batch_size": 8})["batch_size"], validate_config()["precision"]
     (8, 'bfloat16')
+    >>> validate_config({"resources": {"gpus_per_node": 1, "num_nodes": 1}})["resources"]
+    {'num_cpus': 1, 'num_gpus': 1, 'gpus_per_node': 1, 'num_nodes': 1}
     """
     given = {} if config is None else config
     if not isinstance(given, dict):
@@ -88,80 +154,26 @@ def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
             problems += [f"{key}.{p}" for p in typed_dict_problems(merged[key], spec, key)]
         else:
             problems.append(f"{key}: expected a dict, got {type(merged[key]).__name__}")
-    problems += _value_problems(merged, {p.split(":")[0] for p in problems})
+    if isinstance(merged["tokenizer"], dict):
+        problems += [
+            f"tokenizer.{p}" for p in typed_dict_problems(merged["tokenizer"], TokenizerConfig)
+        ]
+    mistyped = {p.split(":")[0] for p in problems}
+    problems += resolve_aliases(given, merged, mistyped)
+    problems += value_problems(merged, mistyped)
     if problems:
         raise ConfigError("RewardModelEnvironmentConfig", problems)
     return merged
 
 
 def reward_model_ray_options(config: Any = None) -> dict[str, float]:
-    """The config's ``resources`` as Ray actor options for ``create_env``.
+    """The config's ``resources`` as Ray actor options for ``create_env``
+    (``gpus_per_node`` counts as ``num_gpus``).
 
     >>> reward_model_ray_options({"resources": {"num_gpus": 1}})
     {'num_cpus': 1, 'num_gpus': 1}
+    >>> reward_model_ray_options({"resources": {"gpus_per_node": 1, "num_nodes": 1}})
+    {'num_cpus': 1, 'num_gpus': 1}
     """
-    return dict(cast(dict[str, float], validate_config(config)["resources"]))
-
-
-def _value_problems(cfg: Any, mistyped: set[str]) -> list[str]:
-    """Range and consistency problems, for the keys whose types are right."""
-    problems = []
-    for key, ok, fix in _VALUE_CHECKS:
-        needs = {key, key.split(".")[0]} | ({"max_model_len"} if "." in key else set())
-        if not needs & mistyped and not ok(cfg):
-            value = cfg
-            for part in key.split("."):
-                value = value[part]
-            problems.append(f"{key}: {value!r} is invalid; {fix}")
-    return problems
-
-
-def _tokenizer_ok(tokenizer: Any) -> bool:
-    if isinstance(tokenizer, dict):
-        tokenizer = tokenizer.get("name") if set(tokenizer) == {"name"} else None
-        return isinstance(tokenizer, str) and tokenizer != ""
-    return tokenizer != ""
-
-
-def _numbers(mapping: dict[str, Any]) -> list[float]:
-    return [v for v in mapping.values() if isinstance(v, (int, float))]
-
-
-def _is_file_or_none(path: str | None) -> bool:
-    return path is None or os.path.isfile(path)
-
-
-def load_reward_model(config: RewardModelEnvironmentConfig, device: str) -> tuple[Any, Any]:
-    """``(tokenizer, model)`` via ``from_pretrained`` (hub id or folder), checkpoint applied,
-    ``config.pad_token_id`` set (the model uses it to find each row's last real token)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    tok = config["tokenizer"]
-    tokenizer_name = tok["name"] if isinstance(tok, dict) else tok or config["model_name"]
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_name)
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            f"reward_model: tokenizer {tokenizer_name!r} has no chat template; set the config's "
-            "'tokenizer' to one that has the reward model's template."
-        )
-    model: Any = AutoModelForSequenceClassification.from_pretrained(
-        config["model_name"], num_labels=1, dtype=PRECISIONS[config["precision"]]
-    )
-    if config["checkpoint_path"]:
-        model.load_state_dict(_load_state_dict(config["checkpoint_path"]))
-    text_config = model.config.get_text_config()
-    if getattr(text_config, "pad_token_id", None) is None:
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        text_config.pad_token_id = model.config.pad_token_id = tokenizer.pad_token_id
-    if text_config.pad_token_id is None:
-        raise ValueError(f"reward_model: {tokenizer_name!r} has neither a pad nor an EOS token.")
-    return tokenizer, model.to(device).eval()
-
-
-def _load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    resources = validate_config(config)["resources"]
+    return {"num_cpus": resources["num_cpus"], "num_gpus": resources["num_gpus"]}

@@ -10,8 +10,11 @@ the observation is ``{"role": "environment", "content": "Environment: reward 1.2
 A conversation longer than ``max_model_len`` tokens is cut from the left (a leading BOS is
 kept), so the last turn is always scored, and counted in ``reward_model_env/num_truncated``.
 An empty or malformed conversation gets reward 0 and an observation saying why. Batches are
-fixed-order or length-sorted within a token budget (``reward_model_batching``); padding and
-batching never change a score. Options: :mod:`envloop.environments.reward_model_config`.
+fixed-order, length-sorted within a token budget (``dynamic_batching``, see
+``reward_model_batching``) or packed rows (``sequence_packing``, see
+``reward_model_packing``); padding, batching and packing never change a score. Options,
+including which keys of a published NeMo-RL config are honoured and which only warned about:
+:mod:`envloop.environments.reward_model_config`.
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.reward_model_batching import pad_sequences, plan_batches, score_sequences
+from envloop.environments.reward_model_checks import warn_unused
 from envloop.environments.reward_model_config import (
     RewardModelEnvironmentConfig,
-    load_reward_model,
     reward_model_ray_options,
     validate_config,
+)
+from envloop.environments.reward_model_loading import load_reward_model, tokenizer_options
+from envloop.environments.reward_model_packing import (
+    packing_problem,
+    plan_packed_rows,
+    score_packed,
 )
 
 __all__ = ["RewardModelEnvironment", "RewardModelEnvironmentConfig", "reward_model_ray_options"]
@@ -42,9 +51,19 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     def __init__(self, cfg: RewardModelEnvironmentConfig | None = None) -> None:
         self.config = validate_config(cfg)
+        warn_unused(cfg or {})
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.tokenizer, self.model = load_reward_model(self.config, self.device)
         self.pad_id: int = self.model.config.get_text_config().pad_token_id
+        self.template_kwargs = tokenizer_options(self.config).get("chat_template_kwargs") or {}
+        packing = self.config["sequence_packing"]["enabled"]
+        problem = packing_problem(self.model) if packing else None
+        if problem:
+            raise ValueError(
+                f"reward_model: sequence_packing.enabled is true but {self.config['model_name']!r} "
+                f"cannot score packed rows exactly: {problem}. Set sequence_packing.enabled: "
+                "false (dynamic_batching gives the same scores)."
+            )
         self.num_truncated = 0  # since the last global_post_process_and_metrics call
 
     def preprocess_data(self, message_logs: list[LLMMessageLogType]) -> BatchedDataDict[Any]:
@@ -70,7 +89,9 @@ class RewardModelEnvironment(EnvironmentInterface):
             raise ValueError(f"message {bad[0]} is not a {{'role': str, 'content': str}} dict")
         messages = [{"role": m["role"], "content": m["content"]} for m in log]
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, **self.template_kwargs
+            )
         except Exception as exc:
             raise ValueError(f"chat template failed ({type(exc).__name__}: {exc})") from exc
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -80,13 +101,33 @@ class RewardModelEnvironment(EnvironmentInterface):
         keep_bos = ids[0] == self.tokenizer.bos_token_id and limit > 1
         return ids[:1] + ids[len(ids) - limit + 1 :] if keep_bos else ids[-limit:], True
 
+    def scoring_plan(self, lengths: list[int]) -> list[list[int]]:
+        """Indices scored together in each forward pass: a packed row (``sequence_packing``),
+        a length-sorted batch (``dynamic_batching``) or a fixed-order batch of ``batch_size``."""
+        packing, dynamic = self.config["sequence_packing"], self.config["dynamic_batching"]
+        if packing["enabled"]:
+            budget, algorithm = packing["logprob_mb_tokens"], packing["algorithm"]
+            order = packing["microbatch_order"]
+            return plan_packed_rows(lengths, budget, algorithm, self.round_to, order)
+        max_tokens = dynamic["logprob_mb_tokens"] if dynamic["enabled"] else None
+        return plan_batches(lengths, self.config["batch_size"], max_tokens, self.round_to)
+
+    @property
+    def round_to(self) -> int:
+        """The multiple a batch's padded length (or a packed row's length) is rounded up to."""
+        for section in ("sequence_packing", "dynamic_batching"):
+            if self.config[section]["enabled"]:
+                return self.config[section]["sequence_length_round"]
+        return 1
+
     def score(self, sequences: list[list[int]]) -> torch.Tensor:
-        """Scores [N] float32 of token-id sequences, batched as configured, in input order."""
-        budget = self.config["dynamic_batching"]
-        max_tokens = budget["max_tokens_per_batch"] if budget["enabled"] else None
-        batches = plan_batches([len(s) for s in sequences], self.config["batch_size"], max_tokens)
+        """Scores [N] float32 of token-id sequences, in input order, grouped by
+        :meth:`scoring_plan`."""
+        plan = self.scoring_plan([len(s) for s in sequences])
+        if self.config["sequence_packing"]["enabled"]:
+            return score_packed(self.model, sequences, plan, self.pad_id, self.round_to)
         side = self.tokenizer.padding_side
-        return score_sequences(self.model, sequences, batches, self.pad_id, side)
+        return score_sequences(self.model, sequences, plan, self.pad_id, side, self.round_to)
 
     def step(
         self,

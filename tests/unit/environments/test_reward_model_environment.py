@@ -46,9 +46,10 @@ def rm_dir(tmp_path_factory):
 
 
 def make_env(rm_dir, **options) -> RewardModelEnvironment:
+    """The minimal envloop config; ``logprob_mb_tokens`` given: dynamic batching, else fixed."""
     cfg = {"model_name": str(rm_dir), "precision": "float32", "max_model_len": 512}
-    budget = options.pop("max_tokens_per_batch", None)
-    cfg["dynamic_batching"] = {"enabled": budget is not None, "max_tokens_per_batch": budget or 512}
+    budget = options.pop("logprob_mb_tokens", None)
+    cfg["dynamic_batching"] = {"enabled": budget is not None, "logprob_mb_tokens": budget or 512}
     return RewardModelEnvironment({**cfg, **options})
 
 
@@ -102,7 +103,7 @@ def test_dynamic_batching_gives_the_fixed_scores_in_input_order(rm_dir):
     lengths = make_env(rm_dir).preprocess_data(logs)["input_lengths"].tolist()
     fixed = make_env(rm_dir, batch_size=4).step(logs, [None] * 10).rewards
     budget = 2 * max(lengths)
-    dynamic = make_env(rm_dir, batch_size=4, max_tokens_per_batch=budget, max_model_len=budget)
+    dynamic = make_env(rm_dir, batch_size=4, logprob_mb_tokens=budget, max_model_len=budget)
     assert (dynamic.step(logs, [None] * 10).rewards - fixed).abs().max().item() < 1e-5
     batches = plan_batches(lengths, 4, budget)
     assert sorted(i for b in batches for i in b) == list(range(10))
@@ -258,30 +259,94 @@ def test_config_errors_list_every_bad_key(tmp_path):
         "enabled": False,
         "precision": "fp8",
         "batch_size": 0,
+        "logprob_batch_sise": 4,
         "max_model_len": "long",
         "checkpoint_path": str(tmp_path / "missing.pt"),
-        "tokenizer": {"nam": "x"},
-        "resources": {"num_gpus": -1, "gpus": 1},
-        "dynamic_batching": {"enabled": "yes", "max_tokens_per_batch": 8},
+        "tokenizer": {"nam": "x", "chat_template": str(tmp_path / "missing.jinja")},
+        "resources": {"num_gpus": -1, "gpus": 1, "num_nodes": 2},
+        "reward_model_cfg": {"reward_model_type": "regression"},
+        "dynamic_batching": {"enabled": "yes", "logprob_mb_tokens": 8},
+        "sequence_packing": {
+            "algorithm": "first_fit_decreasng",
+            "microbatch_order": "random",
+            "sequence_length_pad_multiple": 8,
+        },
     }
     with pytest.raises(ConfigError) as info:
         RewardModelEnvironment(bad)
+    missing_template = str(tmp_path / "missing.jinja")
     assert info.value.problems == [
         "model_nme: unknown option. Did you mean 'model_name'?",
+        "logprob_batch_sise: unknown option. Did you mean 'logprob_batch_size'?",
         "max_model_len: expected int, got str ('long')",
         "resources.gpus: unknown option. Did you mean 'num_gpus'?",
         "dynamic_batching.enabled: expected bool, got str ('yes')",
+        "sequence_packing.sequence_length_pad_multiple: unknown option. "
+        "Did you mean 'sequence_length_round'?",
+        "tokenizer.nam: unknown option. Did you mean 'name'?",
         "enabled: False is invalid; this config disables the environment; don't create it",
-        "tokenizer: {'nam': 'x'} is invalid; use None, a name or {\"name\": ...}",
+        f"tokenizer.chat_template: {missing_template!r} is invalid; no such .jinja file",
         "precision: 'fp8' is invalid; use one of float32, bfloat16, float16",
         "batch_size: 0 is invalid; use 1 or more",
         f"checkpoint_path: {str(tmp_path / 'missing.pt')!r} is invalid; no such file",
-        "resources: {'num_cpus': 1, 'num_gpus': -1, 'gpus': 1} is invalid; use counts >= 0",
+        "resources: {'num_cpus': 1, 'num_gpus': -1, 'gpus': 1, 'num_nodes': 2} is invalid; "
+        "use counts >= 0",
+        "resources.num_nodes: 2 is invalid; the environment is one Ray actor on one node: use 1 "
+        "(start several environments to use more nodes)",
+        "reward_model_cfg.reward_model_type: 'regression' is invalid; supported: bradley_terry "
+        "(a one-label sequence classifier whose logit is the reward)",
+        "sequence_packing.algorithm: 'first_fit_decreasng' is invalid; use one of concatenative, "
+        "first_fit_decreasing, first_fit_shuffle, modified_first_fit_decreasing; did you mean "
+        "'first_fit_decreasing'?",
+        "sequence_packing.microbatch_order: 'random' is invalid; use one of packer, largest_first",
     ]
-    with pytest.raises(ConfigError, match="max_tokens_per_batch: 100 is invalid; raise it"):
-        validate_config({"max_model_len": 200, "dynamic_batching": {"max_tokens_per_batch": 100}})
+    with pytest.raises(ConfigError) as info:
+        validate_config({"max_model_len": 200, "dynamic_batching": {"sequence_length_round": 128}}
+                        | {"sequence_packing": {"enabled": True, "logprob_mb_tokens": 250,
+                                                "sequence_length_round": 64}})  # fmt: skip
+    assert info.value.problems == [
+        "sequence_packing.logprob_mb_tokens: 250 is invalid; raise it to at least 256 "
+        "(max_model_len 200 rounded up to sequence_length_round 64), so every conversation fits"
+    ]
     with pytest.raises(ConfigError, match="config: expected a dict, got str"):
         validate_config("model")
+
+
+def test_aliases_resolve_and_conflicts_are_errors():
+    assert validate_config({"logprob_batch_size": 8})["batch_size"] == 8
+    assert validate_config({"logprob_batch_size": 8, "batch_size": 8})["batch_size"] == 8
+    with pytest.warns(FutureWarning, match="max_tokens_per_batch is deprecated; rename it"):
+        dynamic = validate_config({"dynamic_batching": {"max_tokens_per_batch": 9000}})
+    assert dynamic["dynamic_batching"] == {
+        "enabled": True,
+        "logprob_mb_tokens": 9000,
+        "sequence_length_round": 1,
+    }
+    packing = validate_config({"sequence_packing": {"enabled": True}})
+    assert packing["dynamic_batching"]["enabled"] is False  # packing replaces the default
+    conflicts = {
+        "batch_size": 8,
+        "logprob_batch_size": 4,
+        "resources": {"num_gpus": 1, "gpus_per_node": 2},
+        "dynamic_batching": {"enabled": True, "max_tokens_per_batch": 5000,
+                             "logprob_mb_tokens": 6000},
+        "sequence_packing": {"enabled": True},
+    }  # fmt: skip
+    with pytest.raises(ConfigError) as info, pytest.warns(FutureWarning):
+        validate_config(conflicts)
+    assert info.value.problems == [
+        "logprob_batch_size: 4 conflicts with batch_size 8; they name one setting here, "
+        "give only one of them",
+        "resources.gpus_per_node: 2 conflicts with resources.num_gpus 1; they name one setting "
+        "here, give only one of them",
+        "dynamic_batching.max_tokens_per_batch: 5000 conflicts with "
+        "dynamic_batching.logprob_mb_tokens 6000; they name one setting here, give only one "
+        "of them",
+        "sequence_packing.enabled: True conflicts with dynamic_batching.enabled: True; "
+        "enable one of them",
+    ]
+    with pytest.raises(ConfigError, match="reward_model_cfg.enabled: False is invalid"):
+        validate_config({"reward_model_cfg": {"enabled": False}})
 
 
 def test_none_means_defaults_and_ray_options_come_from_resources():
@@ -294,7 +359,7 @@ def test_none_means_defaults_and_ray_options_come_from_resources():
 
 
 def test_check_env_in_process(rm_dir):
-    env = make_env(rm_dir, max_tokens_per_batch=512)
+    env = make_env(rm_dir, logprob_mb_tokens=512)
     ret = check_env(env, LOGS, [None] * len(LOGS))
     assert ret.terminateds.all()
     empty = env.step([], [])
@@ -308,7 +373,7 @@ def test_check_env_as_a_ray_actor(rm_dir, ray_session):
     actor = actor_cls.options(**reward_model_ray_options(cfg)).remote(cfg)
     try:
         ret = check_env(actor, LOGS, [None] * len(LOGS))
-        local = make_env(rm_dir, max_tokens_per_batch=512).step(LOGS, [None] * len(LOGS))
+        local = make_env(rm_dir, logprob_mb_tokens=512).step(LOGS, [None] * len(LOGS))
         assert (ret.rewards - local.rewards).abs().max().item() < 1e-5
     finally:
         ray_session.get(actor.shutdown.remote())
