@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import torch
 from typing_extensions import Self
 
+from envloop.distributed.columns import batch_len, concat_column, first_column_len, unsupported
 from envloop.distributed.microbatches import MicroBatchMixin
 from envloop.distributed.sharding import (
     BatchSplitError,
@@ -35,8 +36,6 @@ __all__ = [
 ]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
-
-_SUPPORTED = "a list or a torch.Tensor"
 
 
 class MissingKeyError(KeyError, ValueError):
@@ -111,14 +110,14 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
             elif isinstance(value, list):
                 out[key] = [value[i] for i in index_list]
             else:
-                raise _unsupported(key, value)
+                raise unsupported(key, value)
         return out
 
     def slice(self, start: int, end: int) -> Self:
         """Rows ``start:end`` (views of tensors, new lists), without micro-batch metadata."""
         out = type(self)()
         for key, value in self.items():
-            _batch_len(key, value)
+            batch_len(key, value)
             out[key] = value[start:end]
         return out
 
@@ -136,8 +135,40 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
             elif isinstance(value, list):
                 out[key] = [copy.deepcopy(item) for item in value for _ in range(num_repeats)]
             else:
-                raise _unsupported(key, value)
+                raise unsupported(key, value)
         return out
+
+    @overload
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: None = None,
+        sequence_packing_args: None = None,
+    ) -> list[BatchedDataDict[Any]]: ...
+
+    @overload
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        *,
+        dynamic_batching_args: DynamicBatchingArgs,
+        sequence_packing_args: None = None,
+    ) -> tuple[list[BatchedDataDict[Any]], list[int]]: ...
+
+    @overload
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: None = None,
+        *,
+        sequence_packing_args: SequencePackingArgs,
+    ) -> tuple[list[BatchedDataDict[Any]], list[int]]: ...
 
     def shard_by_batch_size(
         self,
@@ -146,7 +177,7 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         allow_uneven_shards: bool = False,
         dynamic_batching_args: DynamicBatchingArgs | None = None,
         sequence_packing_args: SequencePackingArgs | None = None,
-    ) -> list[SlicedDataDict] | tuple[list[SlicedDataDict], list[int]]:
+    ) -> list[BatchedDataDict[Any]] | tuple[list[BatchedDataDict[Any]], list[int]]:
         """Split into ``shards`` parts (e.g. one per data-parallel rank).
 
         The batch is cut into chunks of ``batch_size`` rows (default: the whole batch; it
@@ -266,7 +297,7 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         [[1, 2, -1], [3, 4, 5]]
         """
         pad_values = dict(pad_value_dict or {})
-        rows = [_first_column_len(batch) for batch in batches]
+        rows = [first_column_len(batch) for batch in batches]
         keys = list(dict.fromkeys(key for batch in batches for key in batch))
         for key in keys:
             missing = [i for i, batch in enumerate(batches) if key not in batch and rows[i]]
@@ -277,14 +308,14 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                     f"add {key!r} to those batches or drop it from the others."
                 )
         for i, batch in enumerate(batches):
-            sizes = {key: _batch_len(key, value) for key, value in batch.items()}
+            sizes = {key: batch_len(key, value) for key, value in batch.items()}
             if len(set(sizes.values())) > 1:
                 raise ValueError(f"from_batches: batch {i} has mismatched column sizes {sizes}.")
         out = cls()
         for key in keys:
             values = [b[key] for b, n in zip(batches, rows) if key in b and n]
             values = values or [b[key] for b in batches if key in b]
-            out[key] = _concat_column(key, values, pad_values.get(key, 0))
+            out[key] = concat_column(key, values, pad_values.get(key, 0))
         return out
 
     def to(self, device: str | torch.device) -> Self:
@@ -295,7 +326,7 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         return self
 
     def _checked_size(self) -> int:
-        sizes = {key: _batch_len(key, value) for key, value in self.items()}
+        sizes = {key: batch_len(key, value) for key, value in self.items()}
         if not sizes:
             return 0
         first_key, first = next(iter(sizes.items()))
@@ -318,8 +349,8 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         values = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
         return [int(n) for n in values]
 
-    def _shards(self, plan: ShardPlan) -> list[SlicedDataDict]:
-        shards = []
+    def _shards(self, plan: ShardPlan) -> list[BatchedDataDict[Any]]:
+        shards: list[BatchedDataDict[Any]] = []
         for s, rows in enumerate(plan.rows):
             shard = SlicedDataDict(self.select_indices(rows))
             if plan.micro_batch_indices is not None and plan.micro_batch_lengths is not None:
@@ -334,61 +365,3 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
 class SlicedDataDict(BatchedDataDict[Any]):
     """A shard or chunk of a larger batch (what ``shard_by_batch_size`` and ``chunk`` return);
     a distinct type for readers and type checkers, otherwise a ``BatchedDataDict``."""
-
-
-def _first_column_len(batch: Mapping[str, Any]) -> int:
-    """Rows of ``batch`` as its first column tells (0 for no columns)."""
-    for key, value in batch.items():
-        return _batch_len(key, value)
-    return 0
-
-
-def _batch_len(key: str, value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            raise ValueError(
-                f"BatchedDataDict column {key!r} is a 0-d tensor; columns need a batch dimension."
-            )
-        return int(value.shape[0])
-    if isinstance(value, list):
-        return len(value)
-    raise _unsupported(key, value)
-
-
-def _unsupported(key: str, value: Any) -> TypeError:
-    return TypeError(
-        f"BatchedDataDict column {key!r} holds a {type(value).__name__}; it must be {_SUPPORTED}."
-    )
-
-
-def _concat_column(key: str, values: list[Any], pad_value: int | float) -> Any:
-    kinds = {type(v) for v in values}
-    if all(isinstance(v, list) for v in values):
-        return [item for v in values for item in v]
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        names = sorted(k.__name__ for k in kinds)
-        raise TypeError(f"from_batches: column {key!r} mixes value types {names}; {_SUPPORTED}.")
-    dims = {v.dim() for v in values}
-    if len(dims) != 1:
-        raise ValueError(f"from_batches: column {key!r} mixes tensor ranks {sorted(dims)}.")
-    if dims == {1}:
-        return torch.cat(values, dim=0)
-    trailing = {tuple(v.shape[2:]) for v in values}
-    if len(trailing) != 1:
-        raise ValueError(
-            f"from_batches: column {key!r} has tensors whose dims after the sequence dim "
-            f"differ: {sorted(trailing)}; only dim 1 may differ between batches."
-        )
-    width = max(v.shape[1] for v in values)
-    first = values[0]
-    out = torch.full(
-        (sum(v.shape[0] for v in values), width, *first.shape[2:]),
-        pad_value,
-        dtype=first.dtype,
-        device=first.device,
-    )
-    row = 0
-    for v in values:
-        out[row : row + v.shape[0], : v.shape[1]] = v
-        row += v.shape[0]
-    return out

@@ -10,9 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envloop.data.chat_templates import render_chat
+from envloop.data.interfaces import TaskDataSpec
 from envloop.data.llm_message_utils import (
     add_loss_mask_to_message_log,
     batched_message_log_to_flat_message,
+    get_first_index_that_differs,
     get_formatted_message_log,
     get_keys_from_message_log,
     message_log_to_flat_messages,
@@ -273,6 +275,86 @@ def test_padding_never_changes_unpadded_content(logs, divisor, pad):
             assert row[n:] == [float(pad)] * (width - n)
 
 
+def test_batched_flat_message_pads_per_token_2d_tensors_along_the_sequence():
+    def topk(start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + 2 * n, dtype=torch.int32).reshape(n, 2)
+
+    logs = [
+        [_message("user", [1, 2], top=topk(0, 2)), _message("assistant", [3], top=topk(10, 1))],
+        [_message("user", [4], top=topk(20, 1))],
+        [_message("user", [5])],
+    ]
+    flat, lengths = batched_message_log_to_flat_message(logs, {"top": -1}, 2)
+    assert flat["top"].dtype == torch.int32
+    assert flat["top"].tolist() == [
+        [[0, 1], [2, 3], [10, 11], [-1, -1]],
+        [[20, 21], [-1, -1], [-1, -1], [-1, -1]],
+        [[-1, -1]] * 4,  # a sample without the key: an all-pad row
+    ]
+    assert lengths.tolist() == [3, 1, 1]
+
+
+def test_batched_flat_message_lengths_are_each_samples_longest_tensor():
+    logs = [
+        [{"input_ids": torch.tensor([1, 2]), "mask": torch.tensor([1, 1, 1])}],
+        [{"input_ids": torch.tensor([3])}],
+    ]
+    flat, lengths = batched_message_log_to_flat_message(logs)
+    assert lengths.tolist() == [3, 1]
+    assert flat["input_ids"].tolist() == [[1, 2, 0], [3, 0, 0]]
+    assert flat["mask"].tolist() == [[1, 1, 1], [0, 0, 0]]
+
+
+def test_batched_flat_message_without_tensors_keeps_each_samples_first_value():
+    flat, lengths = batched_message_log_to_flat_message(
+        [[{"text": "a"}, {"text": "b"}], [{"other": 1}]]
+    )
+    assert flat == {"text": ["a", None], "other": [None, 1]}
+    assert lengths.numel() == 0
+
+
+def test_batched_flat_message_lists_are_empty_for_samples_without_the_key():
+    logs = [[_message("user", [1], note="n")], [_message("user", [2])]]
+    flat, _ = batched_message_log_to_flat_message(logs)
+    assert flat["note"] == [["n"], []]
+
+
+@pytest.mark.parametrize(
+    ("logs", "message"),
+    [
+        (
+            [[{"x": torch.tensor([1])}], [{"x": torch.tensor([1.0])}]],
+            r"expected consistent types but got: \[torch.int64, torch.float32\] for key='x'",
+        ),
+        (
+            [[{"x": torch.tensor([1])}, {"x": torch.tensor([1.0])}]],
+            "expected consistent types .* in one message log",
+        ),
+        (
+            [[{"x": torch.tensor([1])}], [{"x": torch.tensor([1], device="meta")}]],
+            "expected tensors on the same device .* Move them to one device",
+        ),
+        (
+            [[{"x": torch.tensor([[1]])}, {"x": torch.tensor([1])}]],
+            "tensors for key='x' must have same number of dimensions",
+        ),
+        (
+            [[{"x": torch.zeros(1, 2)}], [{"x": torch.zeros(1, 3)}]],
+            "tensors for key='x' must have the same shape after dim 0",
+        ),
+        ([[{"x": torch.tensor(1)}]], "tensors for key='x' must be at least 1-D"),
+        (
+            [[{"x": torch.tensor([1])}], [{"x": [1]}]],
+            "key='x' holds a tensor in some samples and another type in others",
+        ),
+    ],
+    ids=["dtype", "dtype-in-log", "device", "rank", "trailing", "0-d", "mixed"],
+)
+def test_batched_flat_message_rejects_inconsistent_tensors_naming_the_key(logs, message):
+    with pytest.raises(RuntimeError, match=message):
+        batched_message_log_to_flat_message(logs)
+
+
 # --- add_loss_mask_to_message_log ---------------------------------------------------------
 
 
@@ -485,6 +567,73 @@ def test_add_eos_token_appends_eos_when_the_last_message_has_none(tokenizer_buil
     )
     assert _concat_ids(with_prompt) == chat_template_ids(tokenizer, conversation, True)
     assert eos not in _concat_ids(with_prompt)
+
+
+def test_task_data_spec_prompt_formats_the_first_user_message(tiny_tokenizer, tmp_path):
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("Solve: {}")
+    spec = TaskDataSpec(task_name="math", prompt_file=prompt_file)
+    assert spec.prompt == "Solve: {}"
+    conversation = CONVERSATIONS["system-user"]
+    log = get_formatted_message_log(conversation, tiny_tokenizer, spec)
+    assert log[1]["content"] == "Solve: What is 2 + 3?"
+    assert log[0]["content"] == "You are a calculator."
+    prompted = [conversation[0], {**conversation[1], "content": "Solve: What is 2 + 3?"}]
+    assert _concat_ids(log) == chat_template_ids(tiny_tokenizer, prompted, False)
+    same = get_formatted_message_log(conversation, tiny_tokenizer, task_data_spec=spec)
+    assert _concat_ids(same) == _concat_ids(log)
+    assert conversation[1]["content"] == "What is 2 + 3?"
+
+
+def test_task_data_spec_without_a_prompt_changes_nothing(tiny_tokenizer):
+    conversation = CONVERSATIONS["user"]
+    log = get_formatted_message_log(conversation, tiny_tokenizer, TaskDataSpec(task_name="t"))
+    assert _concat_ids(log) == chat_template_ids(tiny_tokenizer, conversation, False)
+    with pytest.raises(FileNotFoundError, match="prompt_file='missing.txt' does not exist"):
+        TaskDataSpec(prompt_file="missing.txt")
+
+
+def test_a_positional_bool_after_the_tokenizer_is_refused(tiny_tokenizer):
+    with pytest.raises(TypeError, match="third parameter is task_data_spec"):
+        get_formatted_message_log(CONVERSATIONS["user"], tiny_tokenizer, False)  # type: ignore[arg-type]
+
+
+def test_tools_reach_the_chat_template():
+    tokenizer = build_chatml_tokenizer(
+        "{% if tools %}TOOLS:{{ tools | length }}\n{% endif %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+    )
+    conversation = CONVERSATIONS["system-user"]
+    log = get_formatted_message_log(
+        conversation, tokenizer, tools=[{"name": "add"}, {"name": "mul"}], add_eos_token=False
+    )
+    assert tokenizer.decode(log[0]["token_ids"]).startswith("TOOLS:2")
+    without = get_formatted_message_log(conversation, tokenizer, add_eos_token=False)
+    assert "TOOLS" not in tokenizer.decode(torch.cat([m["token_ids"] for m in without]))
+
+
+def test_debug_prints_each_turns_chunk(tiny_tokenizer, capsys):
+    get_formatted_message_log(CONVERSATIONS["system-user"], tiny_tokenizer)
+    assert capsys.readouterr().out == ""
+    get_formatted_message_log(CONVERSATIONS["system-user"], tiny_tokenizer, debug=True)
+    out = capsys.readouterr().out
+    assert "DEBUG: Individual message turns from apply_chat_template" in out
+    assert "[Turn 2/2] Role: user" in out
+    assert repr("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n") in out
+    assert "DEBUG: Complete formatted conversation:" in out
+
+
+def test_get_first_index_that_differs():
+    assert get_first_index_that_differs("abc", "abc") == 3
+    assert get_first_index_that_differs("abc", "abd") == 2
+    assert get_first_index_that_differs("", "x") == 0
+    assert get_first_index_that_differs("xyz", "xy") == 2
+
+
+def test_loss_mask_roles_compare_case_insensitively():
+    logs = [[_message("Assistant", [1]), _message("user", [2])]]
+    add_loss_mask_to_message_log(logs, roles_to_train_on=["ASSISTANT"])
+    assert _masks(logs) == [[[True], [False]]]
 
 
 def test_a_template_that_rewrites_earlier_turns_raises_a_clear_error():

@@ -391,6 +391,35 @@ def test_from_batches_missing_key_names_it_and_the_batches():
         BatchedDataDict.from_batches([{"ids": [1]}, {"ids": [2], "extra": [0]}])
 
 
+def test_from_batches_lets_empty_batches_omit_keys():
+    empty = {"ids": torch.zeros((0, 0), dtype=torch.long)}
+    full = {"ids": torch.tensor([[1, 2, 3]]), "extra": torch.full((1, 2, 2), 7), "t": ["a"]}
+    for batches in ([empty, full], [{}, full], [full, BatchedDataDict(), empty]):
+        out = BatchedDataDict.from_batches(batches)
+        assert out["ids"].tolist() == [[1, 2, 3]]
+        assert torch.equal(out["extra"], full["extra"])
+        assert out["t"] == ["a"]
+    # Only empty batches hold a key: their values keep its dtype and trailing shape.
+    only_empty = BatchedDataDict.from_batches([{"x": torch.zeros(0, 3, dtype=torch.int8)}, {}])
+    assert only_empty["x"].shape == (0, 3)
+    assert only_empty["x"].dtype == torch.int8
+
+
+def test_from_batches_pads_4d_tensors_along_dim_1():
+    a = torch.arange(8).reshape(1, 2, 2, 2)
+    b = torch.arange(100, 124).reshape(1, 3, 2, 4)[..., :2]
+    out = BatchedDataDict.from_batches([{"r": a}, {"r": b}], pad_value_dict={"r": -1})["r"]
+    assert out.shape == (2, 3, 2, 2)
+    assert torch.equal(out[0, :2], a[0])
+    assert out[0, 2].tolist() == [[-1, -1], [-1, -1]]
+    assert torch.equal(out[1], b[0])
+
+
+def test_from_batches_rejects_tensors_differing_after_the_sequence_dim():
+    with pytest.raises(ValueError, match=r"column 'r' has tensors whose dims after the sequence"):
+        BatchedDataDict.from_batches([{"r": torch.zeros(1, 2, 3)}, {"r": torch.zeros(1, 2, 4)}])
+
+
 def test_from_batches_mismatched_sizes_inside_a_batch_names_the_keys():
     with pytest.raises(ValueError, match=r"batch 1 has mismatched column sizes \{'a': 1, 'b': 2\}"):
         BatchedDataDict.from_batches([{"a": [1], "b": [1]}, {"a": [1], "b": [1, 2]}])
