@@ -197,7 +197,7 @@ class HfGeneration(GenerationInterface):
 
         check_generation_input(data, vocab_size=None)
         data = generation_columns(data)
-        shards = data.shard_by_batch_size(len(self._workers))
+        shards = data.shard_by_batch_size(len(self._workers), allow_uneven_shards=True)
         jobs = [(w, s) for w, s in zip(self._workers, shards) if s.size] or [
             (self._workers[0], data)
         ]
