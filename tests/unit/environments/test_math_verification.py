@@ -22,6 +22,7 @@ from envloop.environments.math_verification import (
     normalize_answer,
     timed_out,
 )
+from envloop.environments.reward_functions import close_math_verifiers, math_expr
 
 MATRIX = r"\begin{pmatrix}1&2\\3&4\end{pmatrix}"
 
@@ -278,3 +279,17 @@ def test_gold_text_uses_the_ground_truths_own_box():
     assert gold_text(r"\boxed{12}") == r"\boxed{12}"
     assert gold_text(r"x \in \boxed{(1,2]}") == r"\boxed{(1,2]}"
     assert gold_text("Eq(x, 1)") == r"\boxed{x = 1}"
+
+
+def test_the_vlm_math_expr_reward_gets_the_same_verdicts():
+    responses = [
+        "<answer>Eq(x**2/16 + y**2/12, 1)</answer>",
+        r"<answer>\frac{x^2}{4}+\frac{y^2}{3}=1</answer>",
+        r"<think>\boxed{1}</think> so \boxed{x^2 + y^2 = 1}",
+    ]
+    truths = ["Eq(x**2/4 + y**2/3, 1)", "Eq(x**2/4 + y**2/3, 1)", "1"]
+    try:
+        scores = math_expr(responses, truths, timeout_s=10.0)
+    finally:
+        close_math_verifiers()
+    assert scores == [(0.0, False), (1.0, True), (0.0, False)]
