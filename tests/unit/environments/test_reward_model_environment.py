@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
+import types
+import warnings
 import weakref
 
 import pytest
@@ -11,14 +14,22 @@ from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from envloop.config_errors import ConfigError
+from envloop.data.packing import ALGORITHMS
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments import check_env
-from envloop.environments.reward_model_batching import plan_batches
-from envloop.environments.reward_model_config import DEFAULTS, validate_config
+from envloop.environments import check_env, reward_model_environment
+from envloop.environments.reward_model_batching import plan_batches, score_sequences
+from envloop.environments.reward_model_checks import round_up
+from envloop.environments.reward_model_config import (
+    DEFAULTS,
+    UnusedConfigWarning,
+    unused_keys,
+    validate_config,
+)
 from envloop.environments.reward_model_environment import (
     RewardModelEnvironment,
     reward_model_ray_options,
 )
+from envloop.environments.reward_model_packing import packing_problem, score_packed
 from tests.fixtures.chat_templates import (
     CHATML_STRICT_ROLES_TEMPLATE,
     build_chatml_tokenizer,
@@ -378,3 +389,256 @@ def test_check_env_as_a_ray_actor(rm_dir, ray_session):
     finally:
         ray_session.get(actor.shutdown.remote())
         ray_session.kill(actor)
+
+
+# --- NeMo-RL config parity --------------------------------------------------------------
+
+
+def nemo_basic_env_config(model: str) -> dict:
+    """NeMo-RL's ``basic_env_config`` (tests/unit/environments/test_reward_model_environment.py)
+    with the tiny local reward model instead of the hub one, in float32."""
+    return {
+        "enabled": True,
+        "model_name": model,
+        "tokenizer": {"name": model},
+        "precision": "float32",
+        "offload_optimizer_for_logprob": False,
+        "batch_size": 32,
+        "checkpoint_path": None,
+        "max_model_len": 1024,
+        "resources": {"gpus_per_node": 1, "num_nodes": 1},
+        "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"},
+        "dtensor_cfg": {
+            "_v2": True,
+            "enabled": True,
+            "cpu_offload": False,
+            "sequence_parallel": False,
+            "activation_checkpointing": False,
+            "tensor_parallel_size": 1,
+            "context_parallel_size": 1,
+            "custom_parallel_plan": None,
+        },
+        "dynamic_batching": {"enabled": False},
+        "sequence_packing": {"enabled": False},
+        "max_grad_norm": None,
+    }
+
+
+def published_block(model: str, **overrides) -> dict:
+    """Every key of the published reward-model environment blocks (examples/configs/
+    grpo_rm_1B.yaml, the test's basic_env_config, RewardModelEnvironmentConfig's fields), the
+    sub-keys of NeMo-RL's TokenizerConfig that shape the text, and of its
+    DynamicBatchingConfig / SequencePackingConfig as the policy configs publish them."""
+    block = {
+        **nemo_basic_env_config(model),
+        "processor": "math_hf_data_processor",
+        "tokenizer": {"name": model, "chat_template": "default", "chat_template_kwargs": None},
+        "batch_size": 4,
+        "logprob_batch_size": 4,
+        "max_model_len": 512,
+        "dynamic_batching": {
+            "enabled": True,
+            "train_mb_tokens": 4096,
+            "logprob_mb_tokens": 1024,
+            "sequence_length_round": 64,
+        },
+        "sequence_packing": {
+            "enabled": False,
+            "train_mb_tokens": 4096,
+            "logprob_mb_tokens": 1024,
+            "algorithm": "modified_first_fit_decreasing",
+            "microbatch_order": "packer",
+            "sequence_length_round": 64,
+        },
+        "generation": {
+            "backend": "vllm",
+            "max_new_tokens": 512,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": None,
+            "stop_token_ids": None,
+            "stop_strings": None,
+            "vllm_cfg": {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.6},
+        },
+    }
+    return {**block, **overrides}
+
+
+def construct(config: dict) -> tuple[RewardModelEnvironment, list[str]]:
+    """The environment and the messages of the UnusedConfigWarnings its construction gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        env = RewardModelEnvironment(config)
+    return env, [str(w.message) for w in caught if issubclass(w.category, UnusedConfigWarning)]
+
+
+def unused_message(keys: str) -> str:
+    return (
+        f"reward_model: {keys} configure NeMo-RL's trainer or data pipeline and do not affect "
+        "scoring; the environment does not use them."
+    )
+
+
+def forward_shapes(module: torch.nn.Module) -> list[tuple[int, ...]]:
+    """A list that fills with the ``input_ids`` shape of every forward pass of ``module``."""
+    shapes: list[tuple[int, ...]] = []
+    module.register_forward_pre_hook(
+        lambda _m, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    return shapes
+
+
+LONGER_LOGS = [conversation(i) for i in (11, 0, 3, 12, 1, 6, 2, 9, 4, 10)]
+
+
+def test_published_basic_env_config_constructs_and_scores(rm_dir):
+    config = nemo_basic_env_config(str(rm_dir))
+    env, messages = construct(config)
+    assert messages == [unused_message("offload_optimizer_for_logprob, max_grad_norm, dtensor_cfg")]
+    assert reward_model_ray_options(config) == {"num_cpus": 1, "num_gpus": 1}
+    minimal = make_env(rm_dir).step(LOGS, [None] * len(LOGS)).rewards
+    assert (env.step(LOGS, [None] * len(LOGS)).rewards - minimal).abs().max().item() < 1e-5
+    assert env.preprocess_data(LOGS[:2])["input_lengths"].tolist() == (
+        make_env(rm_dir).preprocess_data(LOGS[:2])["input_lengths"].tolist()
+    )
+
+
+def test_every_published_key_constructs_scores_and_warns_once(rm_dir):
+    env, messages = construct(published_block(str(rm_dir)))
+    assert messages == [
+        unused_message(
+            "processor, offload_optimizer_for_logprob, max_grad_norm, dtensor_cfg, generation, "
+            "dynamic_batching.train_mb_tokens, sequence_packing.train_mb_tokens"
+        )
+    ]
+    shapes = forward_shapes(env.model)
+    rewards = env.step(LONGER_LOGS, [None] * 10).rewards
+    fixed = make_env(rm_dir, batch_size=4).step(LONGER_LOGS, [None] * 10).rewards
+    assert (rewards - fixed).abs().max().item() < 1e-5
+    # Length-sorted batches of at most 4 rows, padded to a multiple of 64, <= 1024 tokens.
+    assert sum(rows for rows, _ in shapes) == 10
+    assert all(rows <= 4 and width % 64 == 0 and rows * width <= 1024 for rows, width in shapes)
+    assert max(rows for rows, _ in shapes) > 1
+    assert unused_keys({"model_name": "m", "dynamic_batching": {"enabled": False}}) == []
+    _, quiet = construct({"model_name": str(rm_dir), "precision": "float32"})
+    assert quiet == []
+
+
+def test_dynamic_batching_uses_logprob_mb_tokens_and_sequence_length_round(rm_dir):
+    lengths = make_env(rm_dir).preprocess_data(LONGER_LOGS)["input_lengths"].tolist()
+    budget = 3 * round_up(max(lengths), 32)
+    dynamic = {"enabled": True, "logprob_mb_tokens": budget, "sequence_length_round": 32}
+    env = RewardModelEnvironment(
+        {"model_name": str(rm_dir), "precision": "float32", "max_model_len": max(lengths),
+         "batch_size": 8, "dynamic_batching": dynamic}
+    )  # fmt: skip
+    plan = env.scoring_plan(lengths)
+    assert plan == plan_batches(lengths, 8, budget, round_to=32)
+    assert sorted(i for batch in plan for i in batch) == list(range(10))
+    assert all(len(b) * round_up(max(lengths[i] for i in b), 32) <= budget for b in plan)
+    assert len(plan) < 10  # some batches hold several conversations
+    shapes = forward_shapes(env.model)
+    rewards = env.step(LONGER_LOGS, [None] * 10).rewards
+    assert shapes == [(len(b), round_up(max(lengths[i] for i in b), 32)) for b in plan]
+    fixed = make_env(rm_dir, batch_size=1).step(LONGER_LOGS, [None] * 10).rewards
+    assert (rewards - fixed).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+@pytest.mark.parametrize("order", ["packer", "largest_first"])
+def test_sequence_packing_gives_the_unpacked_scores(rm_dir, algorithm, order):
+    lengths = make_env(rm_dir).preprocess_data(LONGER_LOGS)["input_lengths"].tolist()
+    budget = round_up(2 * max(lengths), 16)
+    packing = {
+        "enabled": True,
+        "logprob_mb_tokens": budget,
+        "algorithm": algorithm,
+        "sequence_length_round": 16,
+        "microbatch_order": order,
+        "train_mb_tokens": 1,
+    }
+    env, messages = construct(
+        {"model_name": str(rm_dir), "precision": "float32", "max_model_len": max(lengths),
+         "sequence_packing": packing}
+    )  # fmt: skip
+    assert messages == [unused_message("sequence_packing.train_mb_tokens")]
+    random.seed(0)  # first_fit_shuffle draws from the global random state
+    plan = env.scoring_plan(lengths)
+    totals = [sum(lengths[i] for i in row) for row in plan]
+    assert sorted(i for row in plan for i in row) == list(range(10))
+    assert all(round_up(total, 16) <= budget for total in totals)
+    assert len(plan) < 10  # conversations really share rows
+    if order == "largest_first":
+        assert totals == sorted(totals, reverse=True)
+    shapes = forward_shapes(env.model.base_model)
+    random.seed(0)
+    packed = env.step(LONGER_LOGS, [None] * 10).rewards
+    assert shapes == [(1, round_up(total, 16)) for total in totals]
+    unpacked = make_env(rm_dir, batch_size=1).step(LONGER_LOGS, [None] * 10).rewards
+    assert (packed - unpacked).abs().max().item() < 1e-5
+    assert unpacked.std() > 0.05
+
+
+def test_packed_rows_are_exact_with_eager_attention_too(rm_dir):
+    model = AutoModelForSequenceClassification.from_pretrained(
+        rm_dir, attn_implementation="eager"
+    ).eval()
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+    sequences = [
+        tokenizer(tokenizer.apply_chat_template(log, tokenize=False))["input_ids"] for log in LOGS
+    ]
+    assert packing_problem(model) is None
+    pad = tokenizer.pad_token_id
+    packed = score_packed(model, sequences, [[0, 1, 2], [3, 4], [5, 6]], pad, round_to=8)
+    alone = score_sequences(model, sequences, [[i] for i in range(len(LOGS))], pad)
+    assert (packed - alone).abs().max().item() < 1e-5
+    # Without the block-diagonal mask the packed scores would differ (the mask matters).
+    ids = torch.tensor([[t for s in sequences[:3] for t in s]])
+    with torch.no_grad():
+        hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+    ends = torch.tensor([len(s) for s in sequences[:3]]).cumsum(0) - 1
+    leaked = model.score(hidden[ends])[:, 0]
+    assert (leaked[1:] - alone[1:3]).abs().min().item() > 0.01
+
+
+def test_packing_is_refused_for_models_it_cannot_score_exactly(rm_dir, monkeypatch):
+    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash"))
+    assert packing_problem(flash) == (
+        "its attention implementation 'flash' ignores custom 4-D masks (packing needs one of "
+        "eager, sdpa)"
+    )
+    monkeypatch.setattr(reward_model_environment, "packing_problem", lambda model: "a reason")
+    with pytest.raises(ValueError, match="cannot score packed rows exactly: a reason. Set "):
+        make_env(rm_dir, sequence_packing={"enabled": True, "logprob_mb_tokens": 512})
+
+
+def test_tokenizer_chat_template_options(rm_dir, tmp_path):
+    log = LOGS[1]
+    tokenizer = AutoTokenizer.from_pretrained(rm_dir)
+
+    def ids_of(tokenizer_options):
+        env = make_env(rm_dir, tokenizer={"name": str(rm_dir), **tokenizer_options})
+        return env.preprocess_data([log])["input_ids"][0].tolist()
+
+    def tokens(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    contents = "".join(m["content"] for m in log)
+    assert ids_of({"chat_template": None}) == tokens(contents)
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    rendered = "".join(f"[{m['role']}] {m['content']}\n" for m in log)
+    assert ids_of({"chat_template": template}) == tokens(rendered)
+    (tmp_path / "t.jinja").write_text(template)
+    assert ids_of({"chat_template": str(tmp_path / "t.jinja")}) == tokens(rendered)
+    assert (
+        ids_of({"chat_template": "default"})
+        == ids_of({})
+        == tokens(tokenizer.apply_chat_template(log, tokenize=False))
+    )
+    kwargs = {"chat_template": "{{ prefix }}" + template, "chat_template_kwargs": {"prefix": "Q:"}}
+    assert ids_of(kwargs) == tokens("Q:" + rendered)
+    env = make_env(rm_dir, tokenizer={"name": str(rm_dir), "chat_template": None})
+    with torch.no_grad():
+        expected = env.model(input_ids=torch.tensor([tokens(contents)])).logits[0, 0].item()
+    assert env.step([log], [None]).rewards[0].item() == pytest.approx(expected, abs=1e-5)
