@@ -80,10 +80,10 @@ def main() -> None:
     base["max_model_len"] = args.max_model_len
     envs = {
         "fixed": RewardModelEnvironment(
-            {**base, "dynamic_batching": {"enabled": False, "max_tokens_per_batch": budget}}
+            {**base, "dynamic_batching": {"enabled": False, "logprob_mb_tokens": budget}}
         ),
         "dynamic": RewardModelEnvironment(
-            {**base, "dynamic_batching": {"enabled": True, "max_tokens_per_batch": budget}}
+            {**base, "dynamic_batching": {"enabled": True, "logprob_mb_tokens": budget}}
         ),
     }
     logs = make_conversations(args.conversations, args.max_model_len - 30, args.seed)

@@ -10,12 +10,14 @@ import weakref
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from envloop.config_errors import ConfigError
 from envloop.data.packing import ALGORITHMS
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.env_introspection import env_config_problems
 from envloop.environments import check_env, reward_model_environment
 from envloop.environments.reward_model_batching import plan_batches, score_sequences
 from envloop.environments.reward_model_checks import round_up
@@ -520,6 +522,8 @@ def test_every_published_key_constructs_scores_and_warns_once(rm_dir):
     assert sum(rows for rows, _ in shapes) == 10
     assert all(rows <= 4 and width % 64 == 0 and rows * width <= 1024 for rows, width in shapes)
     assert max(rows for rows, _ in shapes) > 1
+    # `envloop run` checks env configs against the TypedDict before starting actors.
+    assert env_config_problems(RewardModelEnvironment, published_block("m"), "envs.rm") == []
     assert unused_keys({"model_name": "m", "dynamic_batching": {"enabled": False}}) == []
     _, quiet = construct({"model_name": str(rm_dir), "precision": "float32"})
     assert quiet == []
@@ -642,3 +646,49 @@ def test_tokenizer_chat_template_options(rm_dir, tmp_path):
     with torch.no_grad():
         expected = env.model(input_ids=torch.tensor([tokens(contents)])).logits[0, 0].item()
     assert env.step([log], [None]).rewards[0].item() == pytest.approx(expected, abs=1e-5)
+
+
+# env.reward_model of NeMo-RL's examples/configs/grpo_rm_1B.yaml; only the model (MODEL), the
+# precision (bfloat16) and batch_size (${policy.train_micro_batch_size}) are replaced.
+GRPO_RM_1B_BLOCK = """
+processor: "math_hf_data_processor"
+model_name: MODEL
+tokenizer:
+  name: MODEL
+precision: "float32"
+batch_size: 4
+checkpoint_path: null
+max_model_len: 2048
+offload_optimizer_for_logprob: false
+resources:
+  gpus_per_node: 1
+  num_nodes: 1
+dtensor_cfg:
+  _v2: true
+  enabled: true
+  sequence_parallel: false
+  tensor_parallel_size: 1
+  context_parallel_size: 1
+  custom_parallel_plan: null
+  cpu_offload: false
+  activation_checkpointing: false
+reward_model_cfg:
+  enabled: true
+  reward_model_type: "bradley_terry"
+dynamic_batching:
+  enabled: false
+sequence_packing:
+  enabled: false
+max_grad_norm: null
+"""
+
+
+def test_the_published_grpo_yaml_block_constructs_and_scores(rm_dir):
+    config = yaml.safe_load(GRPO_RM_1B_BLOCK.replace("MODEL", str(rm_dir)))
+    env, messages = construct(config)
+    assert messages == [
+        unused_message("processor, offload_optimizer_for_logprob, max_grad_norm, dtensor_cfg")
+    ]
+    assert env.scoring_plan([5, 9, 7, 3, 8]) == [[0, 1, 2, 3], [4]]  # fixed batches of 4
+    minimal = make_env(rm_dir).step(LOGS, [None] * len(LOGS)).rewards
+    assert (env.step(LOGS, [None] * len(LOGS)).rewards - minimal).abs().max().item() < 1e-5
