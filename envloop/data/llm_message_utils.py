@@ -239,7 +239,7 @@ def _per_token_part(
 
 def _concat_parts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:
     _validate_tensor_consistency(parts, key, "in one message log")
-    if parts[0].dim() == 0:
+    if any(p.dim() == 0 for p in parts):
         raise RuntimeError(
             f"tensors for {key=} must be at least 1-D (one entry per token), got a 0-d "
             "tensor; store a per-message scalar as a Python number or a 1-element tensor."
@@ -253,8 +253,8 @@ def _validate_tensor_consistency(
     """Raise ``RuntimeError`` (published wording, then the key and the fix) unless the
     tensors (Nones skipped) agree in dtype, device, rank and shape after dim 0."""
     present = [t for t in tensors if t is not None]
-    if not present:
-        return
+    if len({(t.dtype, t.device, t.shape[1:]) for t in present}) <= 1:
+        return  # the common case: one pass; rank is part of shape[1:] except for 0-d
     first = present[0]
     if any(t.dtype != first.dtype for t in present):
         raise RuntimeError(
@@ -296,12 +296,16 @@ def _pad_rows(key: str, rows: list[Any], pad_value: int | float, width: int) -> 
         )
     _validate_tensor_consistency(tensors, key, "across the batch")
     first = tensors[0]
+    empty = first.new_empty((0, *first.shape[1:]))
+    filled = [r if r is not None else empty for r in rows]
+    # pad_sequence is several times faster than a boolean-mask scatter or a per-row copy.
+    padded = torch.nn.utils.rnn.pad_sequence(filled, batch_first=True, padding_value=pad_value)
+    if padded.shape[1] == width:
+        return padded
     out = torch.full(
         (len(rows), width, *first.shape[1:]), pad_value, dtype=first.dtype, device=first.device
     )
-    lengths = torch.tensor([len(r) if r is not None else 0 for r in rows], device=first.device)
-    filled = torch.arange(width, device=first.device) < lengths[:, None]
-    out[filled] = torch.cat(tensors) if len(tensors) > 1 else first
+    out[:, : padded.shape[1]] = padded
     return out
 
 

@@ -344,11 +344,15 @@ def test_batched_flat_message_lists_are_empty_for_samples_without_the_key():
         ),
         ([[{"x": torch.tensor(1)}]], "tensors for key='x' must be at least 1-D"),
         (
+            [[{"x": torch.tensor([1])}, {"x": torch.tensor(2)}]],
+            "tensors for key='x' must be at least 1-D",
+        ),
+        (
             [[{"x": torch.tensor([1])}], [{"x": [1]}]],
             "key='x' holds a tensor in some samples and another type in others",
         ),
     ],
-    ids=["dtype", "dtype-in-log", "device", "rank", "trailing", "0-d", "mixed"],
+    ids=["dtype", "dtype-in-log", "device", "rank", "trailing", "0-d", "0-d-later", "mixed"],
 )
 def test_batched_flat_message_rejects_inconsistent_tensors_naming_the_key(logs, message):
     with pytest.raises(RuntimeError, match=message):
