@@ -70,7 +70,8 @@ def _required(f: dataclasses.Field) -> bool:
 def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[str]:
     """Problems of ``config`` against TypedDict ``spec``: not a mapping, unknown keys (with a
     close match), missing required keys, and values of the wrong type (for plain classes,
-    ``X | None``, ``list[...]`` and ``dict[...]`` annotations; others are not checked).
+    ``X | None``, ``Literal[...]`` (with a close match), ``list[...]`` and ``dict[...]``
+    annotations; others are not checked).
 
     >>> from typing import TypedDict
     >>> class Cfg(TypedDict):
@@ -90,9 +91,28 @@ def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[s
     problems += [f"{key}: required" for key in hints if key in required and key not in config]
     for key, value in config.items():
         if key in hints and not _matches(value, hints[key]):
-            got = f"{type(value).__name__} ({value!r:.40})"
-            problems.append(f"{key}: expected {_describe(hints[key])}, got {got}")
+            problems.append(f"{key}: {_mismatch(value, hints[key])}")
     return problems
+
+
+def _mismatch(value: Any, annotation: Any) -> str:
+    """Why ``value`` does not fit ``annotation``: the allowed values (with a close match)
+    for a ``Literal``, else the expected type."""
+    choices = _literal_choices(annotation)
+    if choices:
+        close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+        hint = f". Did you mean {close[0]!r}?" if close else ""
+        return f"{value!r} is not one of {', '.join(str(c) for c in choices)}{hint}"
+    return f"expected {_describe(annotation)}, got {type(value).__name__} ({value!r:.40})"
+
+
+def _literal_choices(annotation: Any) -> list[Any]:
+    """The values of the ``Literal`` parts of ``annotation`` (``Literal["a"] | None``: ["a"])."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return list(typing.get_args(annotation))
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [c for arg in typing.get_args(annotation) for c in _literal_choices(arg)]
+    return []
 
 
 def _matches(value: Any, annotation: Any) -> bool:
@@ -101,6 +121,8 @@ def _matches(value: Any, annotation: Any) -> bool:
         return any(_matches(value, arg) for arg in typing.get_args(annotation))
     if annotation is type(None):
         return value is None
+    if origin is typing.Literal:
+        return any(value == c and type(value) is type(c) for c in typing.get_args(annotation))
     if annotation is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is int:

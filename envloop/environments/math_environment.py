@@ -41,86 +41,43 @@ replaced, as is one that dies; only its own sample fails. ``math_env/timeouts`` 
 
 from __future__ import annotations
 
-import difflib
 import re
-from collections.abc import Callable, Mapping
-from typing import Any, Literal, NamedTuple, TypedDict
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config_errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.answer_extraction import extract_boxed, extract_tag
-from envloop.environments.dapo_answers import grade_dapo
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from envloop.environments.math_verification import MathGrade, MathVerifier, timed_out
-from envloop.environments.multichoice_answers import grade_choice
+from envloop.environments.math_checks import (
+    STRING_CHECKS,
+    Verdict,
+    has_one_boxed_answer,
+    has_think_answer_format,
+    math_verdict,
+    select_extracted_answer,
+    string_verdict,
+    unchecked,
+    verdict_text,
+)
+from envloop.environments.math_config import (
+    DEFAULTS,
+    MathEnvConfig,
+    checker_name,
+    config_problems,
+)
+from envloop.environments.math_verification import MathVerifier, timed_out
 from envloop.environments.process_pool import HardTimeoutPool, Outcome
+from envloop.environments.utils import last_assistant_text
 
-VERIFIER_TYPES = ("math", "english_multichoice", "multilingual_multichoice", "dapo")
-MATH_VERIFY_IMPLS = ("hf_math_verify", "dapo_math_verify")
-REWARD_MODES = ("correctness", "multi")
-CORRECT, INCORRECT = "Environment: correct", "Environment: incorrect"
-NO_GROUND_TRUTH = "no ground_truth in this sample's metadata"
+__all__ = ["DEFAULTS", "MathEnvConfig", "MathEnvironment", "MathMultiRewardEnvironment"]
 
-
-class MathEnvConfig(TypedDict, total=False):
-    num_workers: int  # worker processes checking answers with math-verify (default 2)
-    verify_timeout_s: float  # a sample's check is stopped after this long and scores 0 (10)
-    stop_strings: list[str] | None  # stop strings for a next turn (default None: EOS only)
-    reward_mode: Literal["correctness", "multi"]  # one reward, or correctness + format
-    max_attempts: int  # answers per episode; after a wrong one the policy tries again (1)
-    observation_role: str  # role of the verdicts; "user" for Qwen templates ("environment")
-    verifier_type: str | None  # math, english_multichoice, multilingual_multichoice, dapo
-    math_verify_impl: str | None  # for math: hf_math_verify (math-verify) or dapo_math_verify
-
-
-DEFAULTS: MathEnvConfig = {
-    "num_workers": 2,
-    "verify_timeout_s": 10.0,
-    "stop_strings": None,
-    "reward_mode": "correctness",
-    "max_attempts": 1,
-    "observation_role": "environment",
-    "verifier_type": "math",
-    "math_verify_impl": "hf_math_verify",
-}
-
-
-class Verdict(NamedTuple):
-    """One sample's check: whether it is correct, the answer read from it (None when none),
-    and why it could not be checked (None when it was)."""
-
-    correct: bool
-    answer: str | None = None
-    error: str | None = None
-
-
-_STRING_CHECKS: dict[str, Callable[[str, str], tuple[bool, str | None]]] = {
-    "dapo_math_verify": grade_dapo,
-    "english_multichoice": grade_choice,
-    "multilingual_multichoice": lambda truth, response: grade_choice(truth, response, True),
-}
-"""The in-process checks, by :func:`checker_name`: ``(ground_truth, response) -> (correct,
-answer)``."""
-
-
-def checker_name(config: Mapping[str, Any]) -> str:
-    """Which check a (valid) config selects: ``hf_math_verify``, ``dapo_math_verify``,
-    ``english_multichoice`` or ``multilingual_multichoice``.
-
-    >>> checker_name({}), checker_name({"verifier_type": "dapo"})
-    ('hf_math_verify', 'dapo_math_verify')
-    >>> checker_name({"verifier_type": "math", "math_verify_impl": "dapo_math_verify"})
-    'dapo_math_verify'
-    """
-    verifier_type = config.get("verifier_type") or "math"
-    if verifier_type == "dapo":
-        return "dapo_math_verify"
-    if verifier_type == "math":
-        return config.get("math_verify_impl") or "hf_math_verify"
-    return str(verifier_type)
+_select_extracted_answer = select_extracted_answer
+"""NeMo-RL's private name for :func:`~envloop.environments.math_checks.select_extracted_answer`
+(its published tests import it from here)."""
 
 
 class MathEnvironment(EnvironmentInterface):
@@ -156,13 +113,13 @@ class MathEnvironment(EnvironmentInterface):
         """Check every sample's last assistant message. Rewards [B] float32 (or a dict of
         [B] float32 components), terminateds [B] bool (correct, or out of attempts),
         answers one per sample whatever ``return_extracted_answer`` says (NeMo-RL's flag)."""
-        responses = [_last_assistant_text(log) for log in message_log_batch]
+        responses = [last_assistant_text(log) for log in message_log_batch]
         verdicts = self.judge(responses, [_ground_truth(md) for md in metadata])
         correct = torch.tensor([v.correct for v in verdicts], dtype=torch.float32)
         attempts = torch.tensor([_count_assistant(log) for log in message_log_batch])
         role, n = self.config["observation_role"], len(responses)
         return EnvironmentReturn(
-            observations=[{"role": role, "content": _verdict_text(v)} for v in verdicts],
+            observations=[{"role": role, "content": verdict_text(v)} for v in verdicts],
             metadata=[_with_error(md, v.error) for md, v in zip(metadata, verdicts)],
             next_stop_strings=[self.config["stop_strings"]] * n,
             rewards=self._rewards(correct, responses),
@@ -176,7 +133,7 @@ class MathEnvironment(EnvironmentInterface):
         texts = [self._checked_text(r) for r in responses]
         todo = [i for i, (t, x) in enumerate(zip(truths, texts)) if t is not None and x is not None]
         checked = iter(self._check_texts([(str(truths[i]), str(texts[i])) for i in todo]))
-        verdicts = [_unchecked(truth) for truth in truths]
+        verdicts = [unchecked(truth) for truth in truths]
         for i in todo:
             verdicts[i] = next(checked)
         return verdicts
@@ -191,9 +148,9 @@ class MathEnvironment(EnvironmentInterface):
 
     def _check_texts(self, pairs: list[tuple[str, str]]) -> list[Verdict]:
         if self.verifier is None:
-            check = _STRING_CHECKS[self.checker]
-            return [_string_verdict(check, truth, text) for truth, text in pairs]
-        return [_math_verdict(outcome) for outcome in self.verifier.grade(pairs)]
+            check = STRING_CHECKS[self.checker]
+            return [string_verdict(check, truth, text) for truth, text in pairs]
+        return [math_verdict(outcome) for outcome in self.verifier.grade(pairs)]
 
     def _checked_text(self, response: str) -> str | None:
         """The text a check reads from a response (None: no answer to check)."""
@@ -217,7 +174,7 @@ class MathEnvironment(EnvironmentInterface):
         ``verification_error`` in each sample's final metadata (``extra_env_info``),
         ``math_env/timeouts`` and ``math_env/verification_errors`` (all failed checks)."""
         correctness = batch.get("reward/correctness", batch["total_reward"])
-        responses = [_last_assistant_text(log) for log in batch["message_log"]]
+        responses = [last_assistant_text(log) for log in batch["message_log"]]
         n = max(len(responses), 1)
         correct = int((torch.as_tensor(correctness) > 0).sum())
         boxed = sum(extract_boxed(r) is not None for r in responses)
@@ -243,7 +200,7 @@ class MathEnvironment(EnvironmentInterface):
 
     @classmethod
     def _config_problems(cls, config: Any) -> list[str]:
-        return _config_problems(config)
+        return config_problems(config)
 
 
 class MathMultiRewardEnvironment(MathEnvironment):
@@ -281,7 +238,7 @@ class MathMultiRewardEnvironment(MathEnvironment):
 
     @classmethod
     def _config_problems(cls, config: Any) -> list[str]:
-        problems = _config_problems(config)
+        problems = config_problems(config)
         if not isinstance(config, Mapping):
             return problems
         if "reward_mode" in config:
@@ -292,85 +249,6 @@ class MathMultiRewardEnvironment(MathEnvironment):
                 " drop verifier_type and math_verify_impl"
             )
         return problems
-
-
-def has_one_boxed_answer(text: str) -> bool:
-    """The format rule: exactly one ``\\boxed{`` in ``text``, with balanced braces.
-
-    >>> has_one_boxed_answer(r"so \\boxed{\\frac{1}{2}}")
-    True
-    >>> has_one_boxed_answer(r"\\boxed{1} or \\boxed{2}"), has_one_boxed_answer(r"\\boxed{1")
-    (False, False)
-    """
-    return text.count("\\boxed{") == 1 and extract_boxed(text) is not None
-
-
-_THINK_ANSWER = re.compile(r"<think>.*?</think>\n<answer>.*?</answer>", re.S)
-
-
-def has_think_answer_format(text: str) -> bool:
-    """The ``math_multi_reward`` format rule: ``<think>...</think>\\n<answer>...</answer>``
-    and nothing else (trailing whitespace aside), with one ``<answer>`` and one ``</answer>``.
-
-    >>> has_think_answer_format("<think>2+2</think>\\n<answer>4</answer>\\n")
-    True
-    >>> has_think_answer_format("<think>2+2\\n<answer>4</answer>")
-    False
-    """
-    if text.count("<answer>") != 1 or text.count("</answer>") != 1:
-        return False
-    return _THINK_ANSWER.fullmatch(text.rstrip()) is not None
-
-
-def _select_extracted_answer(extracted_answer: Any, math_verify_impl: str) -> str | None:
-    """NeMo-RL's rule for the answer recorded for a sample (``answers``); never raises.
-
-    ``hf_math_verify``: ``extracted_answer`` is ``(gold texts, predicted texts)``; the first
-    prediction equal to a gold text, else the first prediction, else None (also for any other
-    shape). Other implementations hand back the answer string itself, or anything else for none.
-
-    >>> _select_extracted_answer((["42"], ["7", "42"]), "hf_math_verify")
-    '42'
-    >>> _select_extracted_answer(None, "hf_math_verify"), _select_extracted_answer("B", "dapo")
-    (None, 'B')
-    """
-    if math_verify_impl != "hf_math_verify":
-        return extracted_answer if isinstance(extracted_answer, str) else None
-    if not isinstance(extracted_answer, (tuple, list)) or len(extracted_answer) != 2:
-        return None
-    golds, predictions = (
-        [x.strip() for x in part if isinstance(x, str)] if isinstance(part, (list, tuple)) else []
-        for part in extracted_answer
-    )
-    matching = [p for p in predictions if p and p in golds]
-    return matching[0] if matching else (predictions[0] if predictions else None)
-
-
-def _math_verdict(outcome: Outcome) -> Verdict:
-    if outcome.error is not None:
-        return Verdict(False, None, outcome.error)
-    grade: MathGrade = outcome.value
-    answer = _select_extracted_answer((grade.gold, grade.predicted), "hf_math_verify")
-    return Verdict(grade.correct, answer)
-
-
-def _string_verdict(
-    check: Callable[[str, str], tuple[bool, str | None]], truth: str, text: str
-) -> Verdict:
-    """An in-process check's verdict; one that raises fails only its own sample."""
-    try:
-        return Verdict(*check(truth, text))
-    except Exception as exc:
-        return Verdict(False, None, f"{type(exc).__name__}: {exc}")
-
-
-def _unchecked(truth: str | None) -> Verdict:
-    """The verdict of a sample that is not checked: no ground truth, or no answer."""
-    return Verdict(False, None, None if truth is not None else NO_GROUND_TRUTH)
-
-
-def _verdict_text(verdict: Verdict) -> str:
-    return CORRECT if verdict.correct else INCORRECT
 
 
 def _with_error(metadata: Any, error: str | None) -> Any:
@@ -390,12 +268,6 @@ def _error_of(metadata: Any) -> str | None:
     return error if isinstance(error, str) else None
 
 
-def _last_assistant_text(log: LLMMessageLogType) -> str:
-    """The last assistant message's text; "" when there is none (or it is not text)."""
-    texts = [m.get("content") for m in log if m.get("role") == "assistant"]
-    return texts[-1] if texts and isinstance(texts[-1], str) else ""
-
-
 def _count_assistant(log: LLMMessageLogType) -> int:
     """Answers given so far (at least 1: a step follows a response)."""
     return max(sum(m.get("role") == "assistant" for m in log), 1)
@@ -405,55 +277,3 @@ def _ground_truth(metadata: Any) -> str | None:
     truth = metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
     ok = isinstance(truth, (str, int, float)) and not isinstance(truth, bool)
     return str(truth) if ok else None
-
-
-def _config_problems(config: Any) -> list[str]:
-    problems = typed_dict_problems(config, MathEnvConfig)
-    if not isinstance(config, Mapping):
-        return problems
-    workers, timeout = config.get("num_workers", 2), config.get("verify_timeout_s", 10.0)
-    if isinstance(workers, int) and workers < 1:
-        problems.append(f"num_workers: must be at least 1, got {workers}")
-    if isinstance(timeout, (int, float)) and timeout <= 0:
-        problems.append(f"verify_timeout_s: must be > 0 seconds, got {timeout}")
-    attempts = config.get("max_attempts", 1)
-    if isinstance(attempts, int) and attempts < 1:
-        problems.append(f"max_attempts: must be at least 1, got {attempts}")
-    if config.get("observation_role", "environment") == "":
-        problems.append("observation_role: must be a role name such as 'environment' or 'user'")
-    problems += _choice_problems(config, "reward_mode", REWARD_MODES)
-    stops = config.get("stop_strings")
-    if isinstance(stops, list) and not all(isinstance(s, str) for s in stops):
-        problems.append("stop_strings: every entry must be a string")
-    problems += _choice_problems(config, "verifier_type", VERIFIER_TYPES)
-    problems += _choice_problems(config, "math_verify_impl", MATH_VERIFY_IMPLS)
-    return problems or _combination_problems(config)
-
-
-def _choice_problems(config: Mapping[str, Any], key: str, allowed: tuple[str, ...]) -> list[str]:
-    """A problem line when ``config[key]`` is set (not None) and not one of ``allowed``."""
-    value = config.get(key)
-    if value is None or value in allowed:
-        return []
-    close = difflib.get_close_matches(str(value), allowed, n=1)
-    hint = f". Did you mean {close[0]!r}?" if close else ""
-    return [f"{key}: {value!r} is not one of {', '.join(allowed)}{hint}"]
-
-
-def _combination_problems(config: Mapping[str, Any]) -> list[str]:
-    """Options that contradict each other (each valid alone)."""
-    verifier_type = config.get("verifier_type") or "math"
-    impl = config.get("math_verify_impl")
-    if verifier_type == "dapo" and impl == "hf_math_verify":
-        return ["math_verify_impl: 'hf_math_verify' contradicts verifier_type 'dapo'; drop one"]
-    if verifier_type not in ("math", "dapo") and impl == "dapo_math_verify":
-        return [
-            f"math_verify_impl: 'dapo_math_verify' applies to verifier_type 'math', not "
-            f"{verifier_type!r}; drop it, or use verifier_type 'dapo'"
-        ]
-    if config.get("reward_mode") == "multi" and checker_name(config) != "hf_math_verify":
-        return [
-            "reward_mode: 'multi' scores one \\boxed{} answer, a math-verify format; it needs "
-            "verifier_type 'math' with math_verify_impl 'hf_math_verify'"
-        ]
-    return []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -35,8 +36,10 @@ def test_envs_lists_config_fields_and_defaults(capsys):
         ["reward_mode", "one", "of"],
         ["max_attempts", "int", "1"],
         ["observation_role", "str", '"environment"'],
+        ["verifier_type", "one", "of"],
+        ["math_verify_impl", "one", "of"],
     ]
-    assert '"correctness"  one reward, or correctness + format' in math[3]
+    assert re.search(r'"correctness" +one reward, or correctness \+ format', math[3])
     assert main(["envs", "mth"]) == 1
     assert "Did you mean 'math'?" in capsys.readouterr().out
 

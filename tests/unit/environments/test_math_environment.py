@@ -15,13 +15,13 @@ import torch
 from envloop.config_errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
+from envloop.environments.math_checks import STRING_CHECKS
+from envloop.environments.math_config import checker_name
 from envloop.environments.math_environment import (
-    _STRING_CHECKS,
     DEFAULTS,
     MathEnvironment,
     MathMultiRewardEnvironment,
     _select_extracted_answer,
-    checker_name,
 )
 from envloop.environments.math_verification import math_equivalent
 from envloop.environments.multichoice_answers import grade_choice
@@ -216,8 +216,8 @@ def test_config_errors_name_every_bad_key():
         )
     assert info.value.problems == [
         "num_worker: unknown option. Did you mean 'num_workers'?",
-        "verify_timeout_s: must be > 0 seconds, got 0",
         "reward_mode: 'both' is not one of correctness, multi",
+        "verify_timeout_s: must be > 0 seconds, got 0",
         "stop_strings: every entry must be a string",
     ]
     with pytest.raises(ConfigError) as info:
@@ -384,7 +384,7 @@ def test_an_in_process_check_that_raises_fails_only_its_sample(monkeypatch):
             raise RuntimeError("no letters here")
         return grade_choice(truth, response)
 
-    monkeypatch.setitem(_STRING_CHECKS, "english_multichoice", check)
+    monkeypatch.setitem(STRING_CHECKS, "english_multichoice", check)
     env = MathEnvironment({"verifier_type": "english_multichoice"})
     ret = env.step(logs("Answer: A", "boom"), truths("A", "A"))
     assert ret.rewards.tolist() == [1.0, 0.0]
