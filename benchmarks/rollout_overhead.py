@@ -29,7 +29,7 @@ from envloop.data.llm_message_utils import (
 )
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.ray_utils import init_ray
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn, actor_class
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.interfaces import GenerationInterface
 from tests.fixtures.tiny_models import build_tiny_tokenizer
@@ -204,7 +204,7 @@ def main() -> None:
 
     init_ray(num_cpus=2, log_to_driver=False)
     tokenizer = build_tiny_tokenizer()
-    env = ray.remote(CountdownEnv).options(num_cpus=0).remote(args.turns)
+    env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
     ray.get(env.__ray_ready__.remote())
     rows = measure(args, tokenizer, env)
     print(

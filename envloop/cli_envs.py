@@ -103,10 +103,11 @@ def _check_as_actor(cls: type, config: Any, logs: list, metadata: list) -> int:
     import ray
 
     from envloop.distributed.ray_utils import init_ray
+    from envloop.environments.interfaces import actor_class
 
     init_ray(num_cpus=2, log_to_driver=False)
-    actor_class: Any = ray.remote(cls)
-    actor = actor_class.remote(config) if config is not None else actor_class.remote()
+    actor_cls = actor_class(cls)
+    actor = actor_cls.remote(config) if config is not None else actor_cls.remote()
     try:
         return _check(actor, logs, metadata, f"{cls.__qualname__} as a Ray actor")
     finally:

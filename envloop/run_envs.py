@@ -12,7 +12,7 @@ import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.ray_utils import is_actor
-from envloop.environments.registry import create_env, list_envs, register_env
+from envloop.environments.registry import create_env, get_env_class, list_envs, register_env
 from envloop.run_config_checks import resolve_bundled
 from envloop.run_config_sections import EnvConfig
 from envloop.run_records import jsonable
@@ -28,18 +28,37 @@ def start_envs(envs: Mapping[str, EnvConfig]) -> dict[str, Any]:
     """Task name -> an environment actor, starting in the background (Ray must be running;
     see :func:`wait_until_ready`). ``bundled:<name>`` strings in configs become the bundled
     model folders; ``num_cpus`` None reserves 0 CPUs, so any number of environments fit on
-    a small machine."""
+    a small machine; other resources are the environment's own (``actor_options``, e.g. a
+    reward model's ``resources.gpus_per_node``), refused at once when the Ray session has
+    fewer GPUs (the actor would wait for them forever)."""
     handles: dict[str, Any] = {}
     try:
         for task, env in envs.items():
             if ":" in env.name and env.name not in list_envs():
                 register_env(env.name, env.name)
+            config = resolve_bundled(env.config)
+            check_gpus(task, get_env_class(env.name).actor_options(config))
             num_cpus = env.num_cpus if env.num_cpus is not None else 0
-            handles[task] = create_env(env.name, resolve_bundled(env.config), num_cpus=num_cpus)
+            handles[task] = create_env(env.name, config, num_cpus=num_cpus)
     except BaseException:
         stop_envs(handles)
         raise
     return handles
+
+
+def check_gpus(task: str, options: Mapping[str, Any]) -> None:
+    """:class:`EnvStartError` when the actor options of ``envs.<task>`` ask for more GPUs
+    than the Ray session has."""
+    import ray
+
+    wanted = float(options.get("num_gpus") or 0)
+    available = float(ray.cluster_resources().get("GPU", 0))
+    if wanted > available:
+        raise EnvStartError(
+            f"envs.{task}: the environment asks Ray for {wanted:g} GPU(s) but the Ray session "
+            f"has {available:g}; set its config's resources (e.g. resources.gpus_per_node: 0 "
+            "to run on CPU) or start envloop on a machine or cluster with GPUs."
+        )
 
 
 def wait_until_ready(handles: Mapping[str, Any], envs: Mapping[str, EnvConfig]) -> None:

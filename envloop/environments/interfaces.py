@@ -112,6 +112,13 @@ class EnvironmentInterface(ABC, Generic[MetadataT], metaclass=EnvironmentClass):
     def shutdown(self) -> None:
         """Release resources (worker pools, models). The default does nothing."""
 
+    @classmethod
+    def actor_options(cls, config: Any) -> dict[str, Any]:
+        """Ray actor options this environment needs for ``config`` (e.g. the GPUs of a
+        reward model); ``create_env`` applies them under any options given explicitly.
+        The default asks for nothing."""
+        return {}
+
 
 class _DropRemoteOverrideNote(logging.Filter):
     """Drops Ray's note that an actor class made from an environment class "overwrites

@@ -105,7 +105,8 @@ def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
 
     ``config`` goes to the environment's constructor; ``ray_options`` (``num_cpus``,
     ``num_gpus``, ``max_restarts``, ``runtime_env``, ...) go to ``ActorClass.options``,
-    on top of :data:`DEFAULT_ACTOR_OPTIONS`. Ray must be initialized (see
+    on top of the environment's own ``actor_options(config)`` (e.g. a reward model's
+    ``resources``) and :data:`DEFAULT_ACTOR_OPTIONS`. Ray must be initialized (see
     :func:`envloop.distributed.ray_utils.init_ray`).
     """
     import ray
@@ -116,7 +117,7 @@ def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
             f"create_env({name!r}) needs a running Ray session; call "
             "envloop.distributed.ray_utils.init_ray() first."
         )
-    actor_cls = actor_class(cls, **ray_options)
+    actor_cls = actor_class(cls, **{**cls.actor_options(config), **ray_options})
     return actor_cls.remote(config) if config is not None else actor_cls.remote()
 
 

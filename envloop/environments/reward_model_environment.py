@@ -66,6 +66,12 @@ class RewardModelEnvironment(EnvironmentInterface):
             )
         self.num_truncated = 0  # since the last global_post_process_and_metrics call
 
+    @classmethod
+    def actor_options(cls, config: Any) -> dict[str, Any]:
+        """The config's ``resources`` as Ray actor options (``num_cpus``, ``num_gpus``;
+        ``gpus_per_node`` counts as ``num_gpus``); see :func:`reward_model_ray_options`."""
+        return dict(reward_model_ray_options(config))
+
     def preprocess_data(self, message_logs: list[LLMMessageLogType]) -> BatchedDataDict[Any]:
         """Templated, left-truncated token ids: ``input_ids`` [B, L] right-padded with the pad
         id, ``input_lengths`` [B] int32, ``truncated`` [B] bool. Raises ValueError naming a

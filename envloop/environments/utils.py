@@ -23,6 +23,7 @@ __all__ = [
     "ENV_REGISTRY",
     "EnvRegistryEntry",
     "chunk_list_to_workers",
+    "content_text",
     "create_env",
     "last_assistant_text",
     "register_env",
@@ -61,15 +62,31 @@ def chunk_list_to_workers(to_chunk: list[T], num_workers: int) -> list[list[T]]:
 
 
 def last_assistant_text(message_log: LLMMessageLogType) -> str:
-    """The content of the conversation's last assistant message (the response a step
-    scores); "" when there is none or its content is not text.
+    """The text of the conversation's last assistant message (the response a step scores):
+    its ``content`` when that is a string, the ``text`` of its parts when it is a multimodal
+    list of ``{"type": ..., "text": ...}`` parts; "" when there is no assistant message.
 
     >>> log = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
     >>> last_assistant_text(log)
     'a'
+    >>> last_assistant_text([{"role": "assistant", "content": [{"type": "text", "text": "c"}]}])
+    'c'
     """
     for message in reversed(message_log):
         if isinstance(message, Mapping) and message.get("role") == "assistant":
-            content = message.get("content")
-            return content if isinstance(content, str) else ""
+            return content_text(message.get("content"))
+    return ""
+
+
+def content_text(content: Any) -> str:
+    """Message content as text: a str as is, the ``text`` of each part of a multimodal list
+    joined, anything else "".
+
+    >>> content_text([{"type": "image"}, {"type": "text", "text": "hi"}]), content_text(None)
+    ('hi', '')
+    """
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
     return ""

@@ -29,6 +29,7 @@ from envloop.environments.rewards import (
     extract_answer,
     reward_config_problems,
 )
+from envloop.environments.utils import content_text, last_assistant_text
 from envloop.environments.worker_pool import WorkerPool
 
 
@@ -190,34 +191,14 @@ class VLMEnvironment(EnvironmentInterface):
         return any(response.rstrip().endswith(e) for e in endings)
 
 
-def last_assistant_text(message_log: LLMMessageLogType) -> str:
-    """The text of the conversation's last assistant message; "" when there is none.
-
-    >>> log = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
-    >>> last_assistant_text(log)
-    'a'
-    """
-    for message in reversed(message_log):
-        if message["role"] == "assistant":
-            return _text(message["content"])
-    return ""
-
-
-def _text(content: Any) -> str:
-    """Message content as text: a str, or the ``text`` of each part of a multimodal list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    return ""
-
-
 def _generation_lengths(logs: list[LLMMessageLogType]) -> tuple[str, list[float]]:
     """("tokens" or "chars", per-sample total length of the assistant messages)."""
     replies = [[m for m in log if m["role"] == "assistant"] for log in logs]
     if all("token_ids" in m for reply in replies for m in reply):
         return "tokens", [float(sum(len(m["token_ids"]) for m in reply)) for reply in replies]
-    return "chars", [float(sum(len(_text(m["content"])) for m in reply)) for reply in replies]
+    return "chars", [
+        float(sum(len(content_text(m["content"])) for m in reply)) for reply in replies
+    ]
 
 
 def _answer_tag(reward_functions: list[RewardFunctionConfig]) -> str:

@@ -3,10 +3,12 @@ as Ray actors in tests/integration/test_cli_run.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from envloop.environments.games.sliding_puzzle import SlidingPuzzleEnv, new_episode_metadata
-from envloop.run_envs import _final_error, env_metrics, records_to_batch
+from envloop.environments.reward_model_environment import RewardModelEnvironment
+from envloop.run_envs import EnvStartError, _final_error, check_gpus, env_metrics, records_to_batch
 
 SOLVED = {**new_episode_metadata(0, size=2, shuffle_moves=1), "board": [[1, 2], [3, 0]]}
 RECORDS = [
@@ -49,3 +51,18 @@ def test_final_error_keeps_the_constructor_error():
     text = "ray.exceptions.ActorDiedError: died\n  File x\nmod.ConfigError: Invalid X:\n  - a: bad"
     assert _final_error(text) == "mod.ConfigError: Invalid X:\n  - a: bad"
     assert _final_error("no error line") == "no error line"
+
+
+@pytest.mark.ray
+def test_check_gpus_refuses_more_gpus_than_the_ray_session_has(ray_session):
+    gpus = ray_session.cluster_resources().get("GPU", 0)
+    check_gpus("rm", {"num_gpus": gpus, "num_cpus": 1})  # what the session has: fine
+    with pytest.raises(EnvStartError) as info:
+        check_gpus("rm", RewardModelEnvironment.actor_options(
+            {"resources": {"gpus_per_node": gpus + 1, "num_nodes": 1}}
+        ))  # fmt: skip
+    assert str(info.value) == (
+        f"envs.rm: the environment asks Ray for {gpus + 1:g} GPU(s) but the Ray session has "
+        f"{gpus:g}; set its config's resources (e.g. resources.gpus_per_node: 0 to run on CPU) "
+        "or start envloop on a machine or cluster with GPUs."
+    )

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.registry import ENV_REGISTRY, get_env_class, list_envs, register_env
+from envloop.environments.registry import (
+    ENV_REGISTRY,
+    create_env,
+    get_env_class,
+    list_envs,
+    register_env,
+)
 from tests.fixtures.envs import EchoEnv, FailingEnv
 
 
@@ -108,3 +114,23 @@ def test_builtins_are_registered_and_resolve():
         assert issubclass(get_env_class(name), EnvironmentInterface)
     assert get_env_class("math_default") is get_env_class("math")
     assert get_env_class("code_jaccard").__name__ == "CodeJaccardEnvironment"
+
+
+@pytest.mark.ray
+def test_create_env_applies_the_environments_own_actor_options(ray_session):
+    register_env("reg_env_var", "tests.fixtures.envs:EnvVarEnv", overwrite=True)
+    config = {"name": "ENVLOOP_REGISTRY_TEST", "value": "from actor_options"}
+    log = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    own = create_env("reg_env_var", config)
+    explicit = create_env("reg_env_var", config, runtime_env={"env_vars": {"OTHER": "1"}})
+    try:
+        assert ray_session.get(own.step.remote([log], [{}])).observations[0]["content"] == (
+            "from actor_options"
+        )
+        # Options given to create_env win over the environment's own.
+        assert ray_session.get(explicit.step.remote([log], [{}])).observations[0]["content"] == (
+            "(unset)"
+        )
+    finally:
+        ray_session.kill(own)
+        ray_session.kill(explicit)
