@@ -12,17 +12,22 @@ _PROBE = "  probe\ncontent  "
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The tokenizer's chat template applied to ``messages`` (role and content only), as text."""
+    """The tokenizer's chat template applied to ``messages`` (role and content only), as
+    text; ``tools`` (function definitions) go to the template when given."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"Tokenizer {type(tokenizer).__name__} has no chat_template; set "
             "tokenizer.chat_template, or use observation_format='raw'."
         )
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    extra = {} if tools is None else {"tools": tools}
     return tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=add_generation_prompt
+        plain, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
     )
 
 

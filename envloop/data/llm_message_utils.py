@@ -176,7 +176,7 @@ def get_formatted_message_log(
     texts: list[str] = []
     for i in range(len(log)):
         prompt = add_generation_prompt and i == len(log) - 1
-        texts.append(_render(tokenizer, log[: i + 1], prompt, tools))
+        texts.append(render_chat(tokenizer, log[: i + 1], prompt, tools))
     deltas = _prefix_deltas(texts)
     if debug:
         _print_turns(log, deltas, texts[-1] if texts else "")
@@ -320,25 +320,6 @@ def _with_task_prompt(
     out = list(message_log)
     out[first_user] = {**out[first_user], "content": prompt.format(out[first_user]["content"])}
     return out
-
-
-def _render(
-    tokenizer: Any,
-    messages: Sequence[dict[str, Any]],
-    add_generation_prompt: bool,
-    tools: list[dict[str, Any]] | None,
-) -> str:
-    if tools is None:
-        return render_chat(tokenizer, messages, add_generation_prompt=add_generation_prompt)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"Tokenizer {type(tokenizer).__name__} has no chat_template, so tools cannot be "
-            "rendered; set tokenizer.chat_template."
-        )
-    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
-    )
 
 
 def _print_turns(log: LLMMessageLogType, chunks: list[str], whole: str) -> None:
