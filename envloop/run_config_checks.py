@@ -8,11 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from envloop.demo import resolve_bundled, resolve_model
 from envloop.env_introspection import env_config_problems
 from envloop.environments.registry import get_env_class, list_envs, unknown_name_message
 from envloop.import_paths import import_from_path
 
-BUNDLED_PREFIX = "bundled:"
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 _FORMATS = ("auto", "jsonl", "parquet", "hf_disk", "hf_hub")
@@ -48,32 +48,6 @@ def resolve_env_class(name: str) -> type:
         cls: type = import_from_path(name, f"Environment {name!r}", "class", _is_class)
         return cls
     return get_env_class(name)
-
-
-def resolve_model(path: str) -> str:
-    """``bundled:<name>`` as the bundled model's folder (see :mod:`envloop.demo`); other
-    paths unchanged. Raises ValueError or FileNotFoundError when the bundle is missing."""
-    if not path.startswith(BUNDLED_PREFIX):
-        return path
-    try:
-        from envloop.demo import bundled_path
-    except ImportError as exc:
-        raise FileNotFoundError(
-            f"{path!r} needs the bundled demo models (envloop.demo), which this install lacks"
-        ) from exc
-    return str(bundled_path(path[len(BUNDLED_PREFIX) :]))
-
-
-def resolve_bundled(value: Any) -> Any:
-    """``value`` with every ``bundled:<name>`` string inside it (nested dicts and lists
-    included) replaced by that model's folder: environment configs take bundled models too."""
-    if isinstance(value, str):
-        return resolve_model(value)
-    if isinstance(value, dict):
-        return {k: resolve_bundled(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [resolve_bundled(v) for v in value]
-    return value
 
 
 def _env_problems(task: str, name: str, config: Any) -> list[str]:

@@ -5,13 +5,17 @@ Both were trained on CPU by ``scripts/train_demo_policy.py`` and
 (arithmetic in ``\\boxed{}``, retrying after ``Environment: incorrect``, small sliding
 puzzles), so ``make demo`` shows real rewards on a fresh machine with no downloads. Each
 lives in a ``from_pretrained``-loadable folder (ChatML template, EOS ``<|im_end|>``, pad
-``<|endoftext|>``); wherever a model path is accepted, ``bundled:<name>`` resolves here.
+``<|endoftext|>``). Wherever a model or tokenizer path is accepted (``envloop run``,
+``HfGenerationConfig.model_name`` / ``tokenizer_name``, the reward model's ``model_name`` and
+``tokenizer``), ``bundled:<name>`` resolves here through :func:`resolve_model`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+BUNDLED_PREFIX = "bundled:"
 ASSETS = Path(__file__).resolve().parent / "assets"
 BUNDLED_NAMES = ("policy", "reward_model")
 
@@ -37,3 +41,34 @@ def bundled_path(name: str) -> Path:
             f"scripts/train_demo_{name}.py."
         )
     return folder
+
+
+def resolve_model(path: str) -> str:
+    """``bundled:<name>`` as that bundled model's folder; any other path unchanged.
+
+    Raises ValueError for an unknown name, FileNotFoundError when the bundle is missing.
+
+    >>> resolve_model("Qwen/Qwen3-0.6B")
+    'Qwen/Qwen3-0.6B'
+    >>> resolve_model("bundled:policy") == str(ASSETS / "policy")
+    True
+    """
+    if not path.startswith(BUNDLED_PREFIX):
+        return path
+    return str(bundled_path(path[len(BUNDLED_PREFIX) :]))
+
+
+def resolve_bundled(value: Any) -> Any:
+    """``value`` with every ``bundled:<name>`` string inside it (nested dicts and lists
+    included) replaced by that model's folder: environment configs take bundled models too.
+
+    >>> resolve_bundled({"model_name": "bundled:reward_model", "n": [1]})["n"]
+    [1]
+    """
+    if isinstance(value, str):
+        return resolve_model(value)
+    if isinstance(value, dict):
+        return {k: resolve_bundled(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [resolve_bundled(v) for v in value]
+    return value

@@ -87,7 +87,7 @@ class SequencePackingConfig(TypedDict, total=False):
 
 class RewardModelEnvironmentConfig(TypedDict, total=False):
     enabled: bool  # must be True: a config that disables the environment cannot create one
-    model_name: str  # hub id or local folder of a one-label sequence-classification model
+    model_name: str  # hub id, folder or bundled:<name> of a one-label sequence-classification model
     tokenizer: str | dict[str, Any] | None  # None (= model_name), a name, or a TokenizerConfig
     precision: str  # weights dtype: "float32", "bfloat16" or "float16"
     batch_size: int  # most conversations scored in one forward pass

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from envloop.demo import resolve_model
 from envloop.environments.reward_model_checks import PRECISIONS
 
 PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -58,7 +59,7 @@ def load_reward_model(config: Any, device: str) -> tuple[Any, Any]:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     options = tokenizer_options(config)
-    tokenizer = AutoTokenizer.from_pretrained(options["name"])
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(options["name"]))
     tokenizer.chat_template = chat_template(options, tokenizer.chat_template)
     if tokenizer.chat_template is None:
         raise ValueError(
@@ -67,7 +68,7 @@ def load_reward_model(config: Any, device: str) -> tuple[Any, Any]:
             "tokenizer.chat_template."
         )
     model: Any = AutoModelForSequenceClassification.from_pretrained(
-        config["model_name"], num_labels=1, dtype=PRECISIONS[config["precision"]]
+        resolve_model(config["model_name"]), num_labels=1, dtype=PRECISIONS[config["precision"]]
     )
     if config["checkpoint_path"]:
         model.load_state_dict(_load_state_dict(config["checkpoint_path"]))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from envloop.config_errors import ConfigError, config_from_mapping
+from envloop.demo import resolve_model
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
 from envloop.models.generation.generation_batches import (
@@ -48,9 +49,10 @@ class HfGenerationConfig:
     """
 
     model_name: str
-    """Local folder or hub id, loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    """Local folder, hub id or ``bundled:<name>`` (see :mod:`envloop.demo`), loaded with
+    ``AutoModelForCausalLM.from_pretrained``."""
     tokenizer_name: str | None = None
-    """Folder or hub id of the tokenizer; None uses ``model_name``."""
+    """Folder, hub id or ``bundled:<name>`` of the tokenizer; None uses ``model_name``."""
     device: str = "cpu"
     """``cpu``, ``cuda``, or ``auto`` (cuda when available, else cpu)."""
     dtype: str = "float32"
@@ -113,7 +115,7 @@ class HfGeneration(GenerationInterface):
         from transformers import AutoTokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer_name))
         self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
         self._workers: list[Any] = []
@@ -277,7 +279,7 @@ def _load_model(config: HfGenerationConfig, device: torch.device) -> Any:
     from transformers import AutoModelForCausalLM
 
     model: Any = AutoModelForCausalLM.from_pretrained(
-        config.model_name, dtype=_DTYPES[config.dtype]
+        resolve_model(config.model_name), dtype=_DTYPES[config.dtype]
     )
     return model.to(device).eval()
 
