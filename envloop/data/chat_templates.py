@@ -5,6 +5,47 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+
+class COMMON_CHAT_TEMPLATES:  # NeMo-RL's name, kept so ported code runs unchanged
+    """Chat templates (Jinja, as in a ``tokenizer_config.json``) that NeMo-RL configs name.
+
+    ``passthrough_prompt_response``: the message contents concatenated, no role markers and
+    no special tokens (what ``chat_template: null`` selects in a tokenizer config).
+    ``simple_role_header``: each message as a Llama-3-style header
+    ``<|start_header_id|>{role}<|end_header_id|>\\n\\n``, its content with surrounding
+    whitespace trimmed, then ``<|eot_id|>``; the tokenizer's BOS token (if it has one) before
+    the first message, and the assistant header after the last with
+    ``add_generation_prompt``.
+
+    >>> from jinja2 import Template
+    >>> messages = [{"role": "user", "content": " 2+2? "}, {"role": "assistant", "content": "4"}]
+    >>> Template(COMMON_CHAT_TEMPLATES.passthrough_prompt_response).render(messages=messages)
+    ' 2+2? 4'
+    >>> text = Template(COMMON_CHAT_TEMPLATES.simple_role_header).render(
+    ...     messages=messages[:1], bos_token="<s>", add_generation_prompt=True
+    ... )
+    >>> for part in text.split("<|eot_id|>"):
+    ...     print(repr(part))
+    '<s><|start_header_id|>user<|end_header_id|>\\n\\n2+2?'
+    '<|start_header_id|>assistant<|end_header_id|>\\n\\n'
+    """
+
+    passthrough_prompt_response = (
+        "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    )
+    simple_role_header = (
+        "{% for message in messages %}"
+        "{% if loop.first and bos_token %}{{ bos_token }}{% endif %}"
+        "{{ '<|start_header_id|>' ~ message['role'] ~ '<|end_header_id|>\\n\\n' }}"
+        "{{ message['content'] | trim }}"
+        "{{ '<|eot_id|>' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        "{% endif %}"
+    )
+
+
 _USER_MARK = "\x00envloop-user\x00"
 _ASSISTANT_MARK = "\x00envloop-assistant\x00"
 _SLOT = "\x00envloop-slot\x00"

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from envloop.data.chat_templates import ObservationRenderer, render_chat
+from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES, ObservationRenderer, render_chat
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.data.tokenization import tokenize_texts
 from tests.fixtures.chat_templates import (
@@ -16,6 +16,7 @@ from tests.fixtures.chat_templates import (
     CHATML_TRIM_TEMPLATE,
     PLAIN_TEMPLATE,
     build_chatml_tokenizer,
+    build_llama3_tokenizer,
     chat_template_ids,
 )
 
@@ -233,3 +234,63 @@ def test_observation_renderer_without_a_chat_template_raises():
     renderer = ObservationRenderer(tokenizer)
     with pytest.raises(ValueError, match="has no chat_template"):
         renderer.render("user", "84", response_ended_with_eos=True)
+
+
+# --- COMMON_CHAT_TEMPLATES ------------------------------------------------------------------
+
+PADDED = [
+    {"role": "system", "content": "  Use the calculator.\n"},
+    {"role": "user", "content": "What is 12 * 7? "},
+    {"role": "assistant", "content": "84"},
+]
+
+
+def test_passthrough_template_concatenates_the_contents():
+    tokenizer = build_chatml_tokenizer(COMMON_CHAT_TEMPLATES.passthrough_prompt_response)
+    expected = "  Use the calculator.\nWhat is 12 * 7? 84"
+    assert render_chat(tokenizer, PADDED) == expected
+    assert render_chat(tokenizer, PADDED, add_generation_prompt=True) == expected
+
+
+def test_simple_role_header_with_a_bos_token():
+    tokenizer = build_llama3_tokenizer(COMMON_CHAT_TEMPLATES.simple_role_header)
+    assert render_chat(tokenizer, PADDED[:2], add_generation_prompt=True) == (
+        "<|begin_of_text|>"
+        "<|start_header_id|>system<|end_header_id|>\n\nUse the calculator.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 12 * 7?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    assert render_chat(tokenizer, PADDED[1:]) == (
+        "<|begin_of_text|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 12 * 7?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n84<|eot_id|>"
+    )
+
+
+def test_simple_role_header_without_a_bos_token():
+    tokenizer = build_chatml_tokenizer(COMMON_CHAT_TEMPLATES.simple_role_header)
+    assert tokenizer.bos_token is None
+    assert render_chat(tokenizer, PADDED[1:2]) == (
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 12 * 7?<|eot_id|>"
+    )
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_get_formatted_message_log_is_token_exact_with_simple_role_header(add_generation_prompt):
+    tokenizer = build_llama3_tokenizer(COMMON_CHAT_TEMPLATES.simple_role_header)
+    log = get_formatted_message_log(PADDED, tokenizer, add_generation_prompt=add_generation_prompt)
+    ids = torch.cat([m["token_ids"] for m in log]).tolist()
+    assert ids == chat_template_ids(tokenizer, PADDED, add_generation_prompt)
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert [m["content"] for m in log] == [m["content"] for m in PADDED]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_get_formatted_message_log_is_token_exact_with_passthrough(add_generation_prompt):
+    tokenizer = build_chatml_tokenizer(COMMON_CHAT_TEMPLATES.passthrough_prompt_response)
+    log = get_formatted_message_log(
+        PADDED, tokenizer, add_eos_token=False, add_generation_prompt=add_generation_prompt
+    )
+    ids = torch.cat([m["token_ids"] for m in log]).tolist()
+    assert ids == chat_template_ids(tokenizer, PADDED, add_generation_prompt)
+    assert [tokenizer.decode(m["token_ids"]) for m in log] == [m["content"] for m in PADDED]

@@ -1,0 +1,144 @@
+"""Tokenizers configured as NeMo-RL's tokenizer config describes them.
+
+:func:`get_tokenizer` loads a tokenizer by name (a local folder, a hub id ``org/name`` or
+``bundled:<name>``), gives it a pad token (EOS when it has none), sets its chat template
+(:func:`resolve_chat_template`) and makes ``chat_template_kwargs`` apply to every
+``apply_chat_template`` call on it.
+
+``trust_remote_code`` is never passed: it would run Python code downloaded from the hub, in
+this process and in every Ray actor the tokenizer is sent to. A tokenizer that needs it can
+be loaded by the caller, after reviewing that code, and configured with
+:func:`configure_tokenizer`.
+"""
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import NotRequired, TypedDict
+
+from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES
+from envloop.demo import BUNDLED_PREFIX, resolve_model
+
+__all__ = [
+    "PASSTHROUGH_TEMPLATE",
+    "TokenizerConfig",
+    "configure_tokenizer",
+    "get_tokenizer",
+    "resolve_chat_template",
+]
+
+PASSTHROUGH_TEMPLATE = COMMON_CHAT_TEMPLATES.passthrough_prompt_response
+"""The template ``chat_template: None`` selects: the message contents, concatenated."""
+
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+class TokenizerConfig(TypedDict):
+    name: str  # a local folder, a hub id ("org/name") or "bundled:<name>"
+    chat_template: NotRequired[str | None]  # absent/"default": own; None: contents; .jinja; text
+    chat_template_kwargs: NotRequired[dict[str, Any] | None]  # to every apply_chat_template
+
+
+def resolve_chat_template(tokenizer_config: Any, own: str | None) -> str | None:
+    """The chat template ``tokenizer_config`` selects, given the tokenizer's ``own``.
+
+    ``chat_template`` absent or ``"default"`` (any case): ``own``; ``None``:
+    :data:`PASSTHROUGH_TEMPLATE`; a string ending in ``.jinja``: that file's text
+    (FileNotFoundError naming the path if it does not exist); any other string: itself.
+
+    >>> resolve_chat_template({"name": "m"}, "T"), resolve_chat_template(
+    ...     {"chat_template": "Default"}, "T"
+    ... )
+    ('T', 'T')
+    >>> resolve_chat_template({"chat_template": None}, "T") == PASSTHROUGH_TEMPLATE
+    True
+    >>> resolve_chat_template({"chat_template": "{{ messages[0]['content'] }}"}, "T")
+    "{{ messages[0]['content'] }}"
+    """
+    if "chat_template" not in tokenizer_config:
+        return own
+    template = tokenizer_config["chat_template"]
+    if template is None:
+        return PASSTHROUGH_TEMPLATE
+    if template.lower() == "default":
+        return own
+    if template.endswith(".jinja"):
+        return _read_template(template)
+    return str(template)
+
+
+def _read_template(path: str) -> str:
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"chat_template {path!r}: no such .jinja file. Give an existing file, the template "
+            "text itself, 'default' (the tokenizer's own) or null (contents concatenated)."
+        )
+    return Path(path).read_text(encoding="utf-8")
+
+
+def get_tokenizer(
+    tokenizer_config: TokenizerConfig | dict[str, Any], get_processor: bool = False
+) -> Any:
+    """The tokenizer ``tokenizer_config["name"]`` names, configured by
+    :func:`configure_tokenizer` (NeMo-RL's ``algorithms.utils.get_tokenizer``).
+
+    ``name`` is a local folder, a hub id (``org/name``; needs the hub or its local cache) or
+    ``bundled:<name>`` (a bundled demo model, see :mod:`envloop.demo`). ``trust_remote_code``
+    is not passed (see the module docstring). ``get_processor=True`` (a vision-language
+    processor) is not supported yet and raises ValueError. A config with unknown keys or
+    wrong types raises :class:`~envloop.config_errors.ConfigError`; a name that cannot be
+    loaded raises OSError naming it.
+    """
+    if get_processor:
+        raise ValueError(
+            "get_tokenizer(get_processor=True): vision-language processors are not supported "
+            "by envloop yet. Load one with transformers.AutoProcessor.from_pretrained(name) "
+            "and pass its .tokenizer to configure_tokenizer, or call get_tokenizer without "
+            "get_processor for a text-only tokenizer."
+        )
+    problems = typed_dict_problems(tokenizer_config, TokenizerConfig, "tokenizer config")
+    if problems:
+        raise ConfigError("TokenizerConfig", problems)
+    tokenizer = _load_tokenizer(tokenizer_config["name"])
+    return configure_tokenizer(tokenizer, tokenizer_config)
+
+
+def configure_tokenizer(tokenizer: Any, tokenizer_config: TokenizerConfig | dict[str, Any]) -> Any:
+    """``tokenizer`` (changed in place and returned) with a pad token (EOS when it has none),
+    the chat template :func:`resolve_chat_template` selects, and ``chat_template_kwargs`` as
+    defaults of every ``apply_chat_template`` call (an explicit argument still wins).
+
+    The defaults are a :func:`functools.partial` of the bound method stored on the instance,
+    as in NeMo-RL: the tokenizer still pickles (e.g. to a Ray actor) and keeps them.
+    """
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.chat_template = resolve_chat_template(tokenizer_config, tokenizer.chat_template)
+    kwargs = tokenizer_config.get("chat_template_kwargs")
+    if kwargs:
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return tokenizer
+
+
+def _load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    path = resolve_model(name)
+    if not Path(path).is_dir() and not _HUB_ID.match(path):
+        raise FileNotFoundError(
+            f"Tokenizer {name!r}: no such folder. Give an existing folder, a hub id like "
+            f"'org/name', or {BUNDLED_PREFIX}<name> for a bundled model."
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        where = "the folder" if Path(path).is_dir() else "the hub (or its local cache)"
+        raise OSError(
+            f"Tokenizer {name!r} could not be loaded from {where}: {str(exc).rstrip('. ')}. "
+            "A folder must hold the tokenizer files (tokenizer.json or a vocabulary, "
+            "tokenizer_config.json); a hub id looks like 'org/name' and needs network access "
+            "or a cached copy."
+        ) from exc
