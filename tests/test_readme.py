@@ -1,26 +1,85 @@
-"""The README's example runs as written (with a scripted policy standing in for a model)."""
+"""The README's Python blocks run as written: every ```python block, in order, as one script
+(as a user pasting them into one file would), with the bundled policy and a real Ray actor.
+
+A block preceded by a ``<!-- not run: REASON -->`` line is skipped; the README says which
+ones, and this test keeps that list exactly as the README has it.
+"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from envloop.models.generation.scripted_generation import ScriptedGeneration
+import pytest
+
+from envloop.environments.registry import ENV_REGISTRY
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"(<!-- not run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
 
 
-def test_readme_example_runs(tiny_tokenizer):
-    code = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
-    replies = iter(["pear", "banana", "an apple!"])
-    namespace = {
-        "tokenizer": tiny_tokenizer,
-        "policy": ScriptedGeneration(tiny_tokenizer, lambda prompt: next(replies)),
-    }
-    exec(compile(code, str(README), "exec"), namespace)
-    final, metrics = namespace["final"], namespace["metrics"]
-    assert [m["content"] for m in final["message_log"][0][1:]] == [
-        "pear", "try again", "banana", "try again", "an apple!", "yes",
+def python_blocks(text: str) -> list[tuple[str | None, str]]:
+    """``(reason to skip or None, code)`` for each ```python block of ``text``, in order."""
+    return [(m["reason"], m["code"]) for m in BLOCK.finditer(text)]
+
+
+def test_python_blocks_are_found_with_their_skip_reasons():
+    text = "a\n```python\nx = 1\n```\n<!-- not run: needs the hub -->\n```python\ny\n```\n"
+    assert python_blocks(text) == [(None, "x = 1\n"), ("needs the hub", "y\n")]
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_readme_python_blocks_run_as_written(ray_session, capsys):
+    blocks = python_blocks(README.read_text(encoding="utf-8"))
+    assert len(blocks) == 2 and [reason for reason, _ in blocks] == [None, None]
+    namespace: dict = {"__name__": "__main__"}  # as `python script.py` runs it
+    try:
+        for reason, code in blocks:
+            if reason is None:
+                exec(compile(code, str(README), "exec"), namespace)
+                assert_rollout_as_the_readme_says(namespace["final"], namespace["metrics"])
+    finally:
+        ENV_REGISTRY.pop("echo", None)
+    assert capsys.readouterr().out.splitlines()[-2:] == ["[1.0, 1.0] 1.5"] * 2
+
+
+def assert_rollout_as_the_readme_says(final, metrics):
+    """What the README's prose says about the greedy rollout, exactly."""
+    contents = [[(m["role"], m["content"]) for m in log[1:]] for log in final["message_log"]]
+    assert contents == [
+        [("assistant", "2 + 0 = 2, 1 + 3 + 0 = 4, so \\boxed{42}"),
+         ("environment", "Environment: correct")],
+        [("assistant", "9 + 1 = 10, 0 + 2 + 1 = 2, so \\boxed{20}"),
+         ("environment", "Environment: incorrect"),
+         ("assistant", "9 + 1 = 10, 0 + 2 + 1 = 3, so \\boxed{30}"),
+         ("environment", "Environment: correct")],
     ]  # fmt: skip
-    assert final["total_reward"].tolist() == [1.0]
-    assert metrics["total_turns"] == 3
+    assert final["total_reward"].tolist() == [1.0, 1.0]
+    assert [md["tries"] for md in final["extra_env_info"]] == [1, 2]
+    assert metrics["total_turns"] == 3 and metrics["natural_termination_rate"] == 1.0
+    replies = [m for m in final["message_log"][1] if m["role"] == "assistant"]
+    assert [m["generation_logprobs"].shape == m["token_ids"].shape for m in replies] == [True] * 2
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces to
+    hyphens.
+
+    >>> github_anchor("7. Rollout semantics")
+    '7-rollout-semantics'
+    """
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_the_contract_reach_its_sections():
+    contract = README.parent / "docs" / "contract.md"
+    anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", contract.read_text(), re.M)}
+    sources = [README, *sorted((README.parent / "envloop").rglob("*.py"))]
+    links = [
+        (path.name, anchor)
+        for path in sources
+        for anchor in re.findall(r"docs/contract\.md#([\w-]+)", path.read_text(encoding="utf-8"))
+    ]
+    assert ("README.md", "7-rollout-semantics") in links
+    assert [link for link in links if link[1] not in anchors] == []
