@@ -1,10 +1,8 @@
 """Load a reward model and its tokenizer as a validated reward-model config describes.
 
-The tokenizer follows NeMo-RL's tokenizer config: ``name`` (absent: ``model_name``);
-``chat_template`` absent or ``"default"`` keeps the tokenizer's own template, ``None``
-concatenates the message contents, a path ending in ``.jinja`` is read from that file and
-any other string is the template itself; ``chat_template_kwargs`` go to every
-``apply_chat_template`` call (e.g. ``{"enable_thinking": False}``).
+The tokenizer config is NeMo-RL's (``name``, absent: ``model_name``; ``chat_template``;
+``chat_template_kwargs``), loaded by :func:`envloop.models.tokenizers.get_tokenizer`, which
+documents the template modes.
 """
 
 from __future__ import annotations
@@ -15,9 +13,7 @@ import torch
 
 from envloop.demo import resolve_model
 from envloop.environments.reward_model_checks import PRECISIONS
-
-PASSTHROUGH_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-"""The template ``chat_template: null`` selects: the message contents, concatenated."""
+from envloop.models.tokenizers import get_tokenizer
 
 
 def tokenizer_options(config: Any) -> dict[str, Any]:
@@ -33,34 +29,14 @@ def tokenizer_options(config: Any) -> dict[str, Any]:
     return {**options, "name": options.get("name") or config["model_name"]}
 
 
-def chat_template(options: dict[str, Any], own: str | None) -> str | None:
-    """The template to use, given the tokenizer ``options`` and the tokenizer's ``own``.
-
-    >>> chat_template({"name": "m"}, "T"), chat_template({"chat_template": "default"}, "T")
-    ('T', 'T')
-    >>> chat_template({"chat_template": None}, "T") == PASSTHROUGH_TEMPLATE
-    True
-    """
-    if "chat_template" not in options or options["chat_template"] == "default":
-        return own
-    template = options["chat_template"]
-    if template is None:
-        return PASSTHROUGH_TEMPLATE
-    if template.endswith(".jinja"):
-        with open(template, encoding="utf-8") as file:
-            return file.read()
-    return template
-
-
 def load_reward_model(config: Any, device: str) -> tuple[Any, Any]:
     """``(tokenizer, model)`` via ``from_pretrained`` (hub id or folder), template set,
     checkpoint applied, ``config.pad_token_id`` set (the model uses it to find each row's
     last real token)."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     options = tokenizer_options(config)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(options["name"]))
-    tokenizer.chat_template = chat_template(options, tokenizer.chat_template)
+    tokenizer = get_tokenizer(options)
     if tokenizer.chat_template is None:
         raise ValueError(
             f"reward_model: tokenizer {options['name']!r} has no chat template; set the "
