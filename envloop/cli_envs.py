@@ -67,26 +67,45 @@ def check_command(args: argparse.Namespace) -> int:
     cls = resolve_env_class(args.target)
     config = _load_config(args.config)
     logs, metadata = _load_samples(args.sample_jsonl, cls, config)
+    hint = _SAMPLES_HINT if args.sample_jsonl is None else ""
     try:
         env = cls(config) if config is not None else cls()
     except Exception as exc:
         print(f"FAILED: {cls.__qualname__}({'config' if config else ''}) raised {exc!r}")
         return 1
     try:
-        status = _check(env, logs, metadata, cls.__qualname__)
+        status = _check(env, logs, metadata, cls.__qualname__, hint)
         if status == 0 and args.ray:
-            status = _check_as_actor(cls, config, logs, metadata)
+            status = _check_as_actor(cls, config, logs, metadata, hint)
     finally:
         if hasattr(env, "shutdown"):
             env.shutdown()
     return status
 
 
-def _check(env: Any, logs: list, metadata: list, name: str) -> int:
-    from envloop.environments.checker import EnvironmentContractError, check_env
+_SAMPLES_HINT = (
+    "check-env stepped its {n} default samples (math answers); pass samples with the "
+    "metadata your environment needs: --sample-jsonl FILE, one JSON object per line, e.g. "
+    '{{"messages": [{{"role": "user", "content": "..."}}, {{"role": "assistant", '
+    '"content": "..."}}], "metadata": {{{key}: ...}}}}'
+)
+"""Printed when a step fails for want of a metadata key and the default samples were used."""
+
+
+def _check(env: Any, logs: list, metadata: list, name: str, hint: str = "") -> int:
+    from envloop.environments.checker import (
+        EnvironmentContractError,
+        MissingMetadataError,
+        check_env,
+    )
 
     try:
         ret = check_env(env, logs, metadata)
+    except MissingMetadataError as exc:
+        print(f"FAILED: {exc}")
+        if hint:
+            print(hint.format(n=len(logs), key=json.dumps(exc.key, default=str)))
+        return 1
     except EnvironmentContractError as exc:
         print(f"FAILED: {exc}")
         return 1
@@ -99,7 +118,7 @@ def _check(env: Any, logs: list, metadata: list, name: str) -> int:
     return 0
 
 
-def _check_as_actor(cls: type, config: Any, logs: list, metadata: list) -> int:
+def _check_as_actor(cls: type, config: Any, logs: list, metadata: list, hint: str) -> int:
     import ray
 
     from envloop.distributed.ray_utils import init_ray
@@ -109,7 +128,7 @@ def _check_as_actor(cls: type, config: Any, logs: list, metadata: list) -> int:
     actor_cls = actor_class(cls)
     actor = actor_cls.remote(config) if config is not None else actor_cls.remote()
     try:
-        return _check(actor, logs, metadata, f"{cls.__qualname__} as a Ray actor")
+        return _check(actor, logs, metadata, f"{cls.__qualname__} as a Ray actor", hint)
     finally:
         ray.kill(actor)
 

@@ -7,6 +7,7 @@ ones, and this test keeps that list exactly as the README has it.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -83,3 +84,32 @@ def test_links_to_the_contract_reach_its_sections():
     ]
     assert ("README.md", "7-rollout-semantics") in links
     assert [link for link in links if link[1] not in anchors] == []
+
+
+def test_check_env_on_the_readme_echo_asks_for_sample_metadata(tmp_path, monkeypatch, capsys):
+    from envloop.cli import main
+
+    code = python_blocks(README.read_text(encoding="utf-8"))[0][1]
+    (tmp_path / "readme_echo.py").write_text(code[: code.index("\npolicy = ")])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["check-env", "readme_echo:Echo"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        "FAILED: Echo.step needs sample metadata key 'word', which none of the samples has "
+        "(their metadata keys: ground_truth); step raised: KeyError: 'word'. Give samples "
+        "whose metadata has 'word'.",
+        "check-env stepped its 2 default samples (math answers); pass samples with the "
+        "metadata your environment needs: --sample-jsonl FILE, one JSON object per line, e.g. "
+        '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
+        '"content": "..."}], "metadata": {"word": ...}}',
+    ]
+    sample = {"messages": [{"role": "user", "content": "What is 12 + 30?"},
+                           {"role": "assistant", "content": "\\boxed{42}"}],
+              "metadata": {"word": "42", "tries": 0}}  # fmt: skip
+    (tmp_path / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+    assert (
+        main(["check-env", "readme_echo:Echo", "--sample-jsonl", str(tmp_path / "samples.jsonl")])
+        == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("OK: Echo keeps the environment contract on 1 sample")
+    assert out[1] == "  sample 0: reward 1; environment: 'Environment: correct'"

@@ -23,6 +23,21 @@ class EnvironmentContractError(ValueError):
         super().__init__(f"{name} breaks the environment contract:\n{lines}")
 
 
+class MissingMetadataError(EnvironmentContractError):
+    """``step`` raised ``KeyError`` for a key that no sample's metadata has: the samples,
+    not the environment, are at fault. ``key`` is the missing key, ``present`` the keys the
+    samples' metadata does have."""
+
+    def __init__(self, name: str, key: Any, present: list[str], problem: str) -> None:
+        self.problems, self.key, self.present = [problem], key, present
+        ValueError.__init__(
+            self,
+            f"{name}.step needs sample metadata key {key!r}, which none of the samples has "
+            f"(their metadata keys: {', '.join(present) or 'none'}); {problem}. Give samples "
+            f"whose metadata has {key!r}.",
+        )
+
+
 def check_env(
     env: Any, sample_message_logs: list[LLMMessageLogType], sample_metadata: list[Any]
 ) -> EnvironmentReturn:
@@ -45,6 +60,12 @@ def check_env(
     try:
         ret = coerce_env_return(_call(env, "step", logs, list(sample_metadata)))
     except Exception as exc:
+        cause = getattr(exc, "cause", None) or exc  # a Ray actor's error wraps the original
+        key = _missing_metadata_key(cause, sample_metadata)
+        if key is not None:
+            problem = f"step raised: {_short(cause)}"
+            present = _metadata_keys(sample_metadata)
+            raise MissingMetadataError(name, key, present, problem) from exc
         raise EnvironmentContractError(name, [f"step raised: {_short(exc)}"]) from exc
     problems = env_return_problems(ret, len(logs))
     if not problems:
@@ -74,6 +95,23 @@ def _post_process_problems(
         return ["global_post_process_and_metrics must return (batch, metrics dict)"]
     bad = [k for k, v in out[1].items() if not isinstance(k, str) or not _is_number(v)]
     return [f"metrics: {k!r} is not a str -> number entry" for k in bad]
+
+
+def _missing_metadata_key(exc: BaseException, metadata: list[Any]) -> Any:
+    """The key of ``exc``, a ``KeyError``, when no metadata dict has it; else None."""
+    if not (isinstance(exc, KeyError) and len(exc.args) == 1):
+        return None
+    key = exc.args[0]
+    dicts = [md for md in metadata if isinstance(md, dict)]
+    try:
+        return key if not any(key in md for md in dicts) else None
+    except TypeError:  # an unhashable key cannot be a metadata key
+        return None
+
+
+def _metadata_keys(metadata: list[Any]) -> list[str]:
+    keys = {str(k) for md in metadata if isinstance(md, dict) for k in md}
+    return sorted(keys)
 
 
 def _call(env: Any, method: str, *args: Any) -> Any:

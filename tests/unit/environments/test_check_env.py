@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from envloop.environments import EnvironmentContractError, check_env
+from envloop.environments.checker import MissingMetadataError
 from envloop.environments.interfaces import EnvironmentReturn
 from tests.fixtures.envs import BadContractEnv, CalculatorEnv, EchoEnv, FailingEnv, _NoMetrics
 
@@ -67,6 +68,39 @@ def test_a_raising_step_is_reported():
         check_env(FailingEnv(), LOGS, METADATA)
 
 
+class NeedsWord(EchoEnv):
+    def step(self, message_log_batch, metadata, *args, **kwargs):
+        [md["word"] for md in metadata]
+        return super().step(message_log_batch, metadata)
+
+
+def test_a_key_error_for_metadata_the_samples_lack_names_the_key():
+    with pytest.raises(MissingMetadataError) as info:
+        check_env(NeedsWord(), LOGS, METADATA)
+    assert (info.value.key, info.value.present) == ("word", ["target"])
+    assert info.value.problems == ["step raised: KeyError: 'word'"]
+    assert str(info.value) == (
+        "NeedsWord.step needs sample metadata key 'word', which none of the samples has "
+        "(their metadata keys: target); step raised: KeyError: 'word'. Give samples whose "
+        "metadata has 'word'."
+    )
+    assert check_env(NeedsWord(), LOGS, [{"word": "w"}, {"word": "v"}]).rewards.tolist() == [
+        0.5,
+        0.5,
+    ]
+
+
+def test_a_key_error_for_a_key_the_samples_have_is_the_environments_fault():
+    class LooksElsewhere(EchoEnv):
+        def step(self, message_log_batch, metadata, *args, **kwargs):
+            return {}["target"]
+
+    with pytest.raises(EnvironmentContractError) as info:
+        check_env(LooksElsewhere(), LOGS, METADATA)
+    assert type(info.value) is EnvironmentContractError
+    assert info.value.problems == ["step raised: KeyError: 'target'"]
+
+
 def test_bad_metrics_are_reported():
     class BadMetrics(EchoEnv):
         def global_post_process_and_metrics(self, batch):
@@ -93,3 +127,14 @@ def test_ray_actor_environments_are_checked_too(ray_session):
     ]
     with pytest.raises(EnvironmentContractError, match="actor BadContractEnv breaks"):
         check_env(create_env("check_bad", num_cpus=0), LOGS, METADATA)
+
+    class NeedsWordActor(EchoEnv):  # defined here, so Ray ships the class by value
+        def step(self, message_log_batch, metadata, *args, **kwargs):
+            return [md["word"] for md in metadata]
+
+    register_env("check_needs_word", NeedsWordActor, overwrite=True)
+    with pytest.raises(
+        MissingMetadataError, match=r"^actor .*NeedsWordActor.step needs sample "
+    ) as info:
+        check_env(create_env("check_needs_word", num_cpus=0), LOGS, METADATA)
+    assert info.value.problems == ["step raised: KeyError: 'word'"]
