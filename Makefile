@@ -9,18 +9,26 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# pip's output (and setuptools' editable-install banner) goes to $(LOG); shown only on failure.
+LOG := $(VENV)/install.log
+
 $(STAMP): pyproject.toml constraints-cpu.txt
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints-cpu.txt torch
-	$(BIN)/pip install --quiet -c constraints-cpu.txt -e '.[dev]'
-	touch $(STAMP)
+	@echo "installing CPU-only torch and envloop (editable, with dev tools) into $(VENV) (log: $(LOG))"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@{ $(BIN)/pip install --upgrade pip \
+	  && $(BIN)/pip install -c constraints-cpu.txt torch \
+	  && $(BIN)/pip install -c constraints-cpu.txt -e '.[dev]'; } > $(LOG) 2>&1 \
+	  || { tail -n 40 $(LOG); echo "install failed; the whole log is $(LOG)"; exit 1; }
+	@touch $(STAMP)
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
-	RAY_AUTH_MODE=disabled $(BIN)/envloop run examples/demo.yaml
+	@echo "demo: envloop run examples/demo.yaml (the bundled tiny policy on math with retries,"
+	@echo "      sliding puzzles and a bundled reward model; 24 prompts x 2 samples, Ray actors)"
+	@RAY_AUTH_MODE=disabled $(BIN)/envloop run examples/demo.yaml
+	@echo "demo: done; open runs/demo/report.html in a browser, or read runs/demo/rollouts.jsonl"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
