@@ -1,59 +1,91 @@
-"""Progress of ``envloop run`` on the terminal, updated after every finished batch.
+"""Progress of ``envloop run`` on the terminal, updated after every turn and every batch.
 
-On a terminal: one live line (a bar of samples finished, turns done, running mean reward
-per task, elapsed time) redrawn in place. When the output is not a terminal, or with
-``quiet``: the same facts as one plain log line per batch.
+On a terminal: one live line (a bar of samples finished, turns done, generation tokens per
+second, running mean reward per task, elapsed time) redrawn in place after every turn. When
+the output is not a terminal, or with ``quiet``: the same facts as plain log lines, one per
+finished batch and at most one per ``log_interval_s`` in between, so logs are not flooded.
 
 >>> import io
 >>> out = io.StringIO()
 >>> progress = Progress(total=4, stream=out)
->>> progress.update([{"task": "math", "total_reward": 1.0, "num_turns": 2}] * 2)
+>>> progress.update([{"task": "math", "total_reward": 1.0, "num_turns": 2}] * 2,
+...                 generated_tokens=300, generation_s=2.0)
 >>> progress.line(elapsed_s=1.5)
-'2/4 samples, 4 turns, mean reward: math 1.000 (2), 1.5 s'
+'2/4 samples, 4 turns, 150 tokens/s, mean reward: math 1.000 (2), 1.5 s'
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Mapping
-from typing import IO, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 from envloop.run_metrics import TaskStats, tally
 
+if TYPE_CHECKING:
+    from envloop.experience.rollout_metrics import RolloutProgress
+
 BAR_WIDTH = 24
+LOG_INTERVAL_S = 10.0
+"""Least seconds between two plain progress lines within a batch."""
 
 
 class Progress:
-    """Tracks finished samples and draws them (a live bar on a TTY, else log lines)."""
+    """Tracks finished samples and the running batch, and draws them (a live bar on a TTY,
+    else log lines). ``clock`` (seconds) is injectable for tests."""
 
-    def __init__(self, total: int, stream: IO[str] | None = None, quiet: bool = False) -> None:
+    def __init__(
+        self,
+        total: int,
+        stream: IO[str] | None = None,
+        quiet: bool = False,
+        *,
+        log_interval_s: float = LOG_INTERVAL_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stdout
         self.live = not quiet and _is_tty(self.stream)
+        self.log_interval_s = log_interval_s
+        self.clock = clock
         self.stats: dict[str, TaskStats] = {}
-        self.started = time.perf_counter()
+        self.generated_tokens = 0  # by finished batches
+        self.generation_s = 0.0
+        self.running: RolloutProgress | None = None  # the batch in flight, after its last turn
+        self.started = clock()
+        self._last_line = self.started
 
     @property
     def finished(self) -> int:
         return sum(s.samples for s in self.stats.values())
 
     def start(self) -> None:
-        """Draw the empty bar (live mode only; log lines start with the first batch)."""
-        self.started = time.perf_counter()
+        """Draw the empty bar (live mode only; log lines start with the first turn)."""
+        self.started = self._last_line = self.clock()
         if self.live:
-            self.stream.write(f"\r{self.bar()} {self.line(0.0)}\x1b[K")
-            self.stream.flush()
+            self._draw()
 
-    def update(self, records: Iterable[Mapping[str, Any]]) -> None:
-        """Count a batch of finished sample records and redraw."""
+    def on_turn(self, running: RolloutProgress) -> None:
+        """The running batch finished a turn (a rollout's ``on_turn`` option): redraw; a log
+        line only when ``log_interval_s`` has passed since the last one."""
+        self.running = running
+        if self.live or self.clock() - self._last_line >= self.log_interval_s:
+            self._draw()
+
+    def update(
+        self,
+        records: Iterable[Mapping[str, Any]],
+        generated_tokens: int = 0,
+        generation_s: float = 0.0,
+    ) -> None:
+        """Count a finished batch (its sample records, generated tokens and generation
+        seconds) and redraw."""
         tally(records, self.stats)
-        elapsed = time.perf_counter() - self.started
-        if self.live:
-            self.stream.write(f"\r{self.bar()} {self.line(elapsed)}\x1b[K")
-        else:
-            self.stream.write(f"progress: {self.line(elapsed)}\n")
-        self.stream.flush()
+        self.generated_tokens += generated_tokens
+        self.generation_s += generation_s
+        self.running = None
+        self._draw()
 
     def close(self) -> None:
         """End the live line (nothing to do for log lines)."""
@@ -63,19 +95,35 @@ class Progress:
 
     def bar(self) -> str:
         """``[#####-----]`` filled in proportion to the samples finished."""
-        filled = round(BAR_WIDTH * self.finished / self.total) if self.total else BAR_WIDTH
+        done = self.finished + (self.running.samples_done if self.running else 0)
+        filled = round(BAR_WIDTH * done / self.total) if self.total else BAR_WIDTH
         return "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]"
 
     def line(self, elapsed_s: float) -> str:
-        """Samples finished, turns done, running mean reward per task, elapsed time."""
-        turns = sum(s.turns_sum for s in self.stats.values())
+        """Samples finished, turns done, generated tokens per second of generation (``-``
+        before any), running mean reward per task (finished samples), elapsed time."""
+        run = self.running
+        done = self.finished + (run.samples_done if run else 0)
+        turns = sum(s.turns_sum for s in self.stats.values()) + (run.turns if run else 0)
+        tokens = self.generated_tokens + (run.generated_tokens if run else 0)
+        seconds = self.generation_s + (run.generation_s if run else 0.0)
+        rate = f"{tokens / seconds:.0f}" if seconds > 0 else "-"
         rewards = ", ".join(
             f"{task} {s.mean_reward:.3f} ({s.samples})" for task, s in self.stats.items()
         )
         return (
-            f"{self.finished}/{self.total} samples, {turns} turns, "
+            f"{done}/{self.total} samples, {turns} turns, {rate} tokens/s, "
             f"mean reward: {rewards or '-'}, {elapsed_s:.1f} s"
         )
+
+    def _draw(self) -> None:
+        now = self.clock()
+        if self.live:
+            self.stream.write(f"\r{self.bar()} {self.line(now - self.started)}\x1b[K")
+        else:
+            self.stream.write(f"progress: {self.line(now - self.started)}\n")
+            self._last_line = now
+        self.stream.flush()
 
 
 def _is_tty(stream: IO[str]) -> bool:

@@ -1,9 +1,10 @@
 """``envloop run``: a config in, a run directory out.
 
 The steps: load the prompts -> start (or join) Ray -> start one environment actor per task
--> load the policy meanwhile -> tokenize the prompts -> wait for the actors -> roll out
-``rollout.batch_size`` samples at a time (progress after each batch), appending to the
-rollout files -> each environment's ``global_post_process_and_metrics`` -> ``metrics.json``.
+-> load the policy meanwhile -> tokenize the prompts -> wait for the actors (each start-up
+phase timed into ``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples
+at a time (progress after each turn), appending to the rollout files -> each environment's
+``global_post_process_and_metrics`` -> ``metrics.json``.
 The command line then prints the summary table and builds ``report.html``.
 """
 
@@ -18,6 +19,7 @@ from typing import IO, Any
 
 from envloop.data.datasets import build_rollout_batch, load_prompt_samples
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
 from envloop.progress import Progress
@@ -25,7 +27,12 @@ from envloop.run_config import RunConfig
 from envloop.run_config_checks import resolve_model
 from envloop.run_config_sections import PolicyConfig, RayConfig
 from envloop.run_envs import env_metrics, start_envs, stop_envs, wait_until_ready
-from envloop.run_metrics import TaskStats, combine_rollout_metrics, per_task_metrics
+from envloop.run_metrics import (
+    TaskStats,
+    combine_rollout_metrics,
+    per_task_metrics,
+    startup_metrics,
+)
 from envloop.run_outputs import RunWriter
 from envloop.run_records import TOKEN_KEYS, sample_records
 
@@ -46,17 +53,24 @@ def run(config: RunConfig, *, quiet: bool = False, stream: IO[str] | None = None
     tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
     samples = load_prompt_samples(config.data, tasks)
     out.write(f"{len(samples)} prompts from {config.data.path}, tasks: {', '.join(tasks)}\n")
-    ray_started = start_ray(config.ray)
+    startup = PhaseTimer()  # its phases go to metrics.json's "startup"
+    with startup.phase("ray"):
+        ray_started = start_ray(config.ray)
     policy: HfGeneration | None = None
     envs: dict[str, Any] = {}
     try:
-        envs = start_envs(config.envs)  # they start while the policy loads
-        policy = make_policy(config.policy)
-        stops = {task: env.stop_strings for task, env in config.envs.items()}
-        gens = config.rollout.generations_per_prompt
-        batch = build_rollout_batch(samples, policy.tokenizer, gens, stops)
-        wait_until_ready(envs, config.envs)
-        return _roll_out(config, policy, batch, envs, Progress(batch.size, out, quiet), started)
+        with startup.phase("envs_launch"):
+            envs = start_envs(config.envs)  # they start while the policy loads
+        with startup.phase("policy_load"):
+            policy = make_policy(config.policy)
+        with startup.phase("prompt_tokenization"):
+            stops = {task: env.stop_strings for task, env in config.envs.items()}
+            gens = config.rollout.generations_per_prompt
+            batch = build_rollout_batch(samples, policy.tokenizer, gens, stops)
+        with startup.phase("envs_wait"):
+            wait_until_ready(envs, config.envs)
+        progress = Progress(batch.size, out, quiet)
+        return _roll_out(config, policy, batch, envs, progress, started, startup)
     finally:
         stop_envs(envs)
         if policy is not None:
@@ -83,6 +97,7 @@ def make_policy(policy: PolicyConfig) -> HfGeneration:
             micro_batch_size=policy.micro_batch_size,
             seed=policy.seed,
             num_workers=policy.num_workers,
+            cpu_threads=policy.cpu_threads,
         )
     )
 
@@ -111,6 +126,7 @@ def _roll_out(
     envs: dict[str, Any],
     progress: Progress,
     started: float,
+    startup: PhaseTimer,
 ) -> RunResult:
     rollout, parts, kept = config.rollout, [], []
     with RunWriter(config.output.dir) as writer:
@@ -122,10 +138,13 @@ def _roll_out(
                 policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns,
                 greedy=rollout.greedy, observation_format=rollout.observation_format,
                 on_env_error=rollout.on_env_error, env_step_timeout_s=rollout.env_step_timeout_s,
+                on_turn=progress.on_turn,
             )  # fmt: skip
             records = sample_records(final, start)
             writer.add(records)
-            progress.update(records)
+            progress.update(
+                records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
+            )
             parts.append((metrics, part.size))
             kept += [{k: v for k, v in r.items() if k not in TOKEN_KEYS} for r in records]
         progress.close()
@@ -133,6 +152,7 @@ def _roll_out(
             "rollout": combine_rollout_metrics(parts),
             "envs": env_metrics(envs, kept),
             "per_task": per_task_metrics(progress.stats),
+            "startup": startup_metrics(startup),
             "wall_time_s": time.perf_counter() - started,
         }
         writer.write_metrics(metrics)

@@ -33,6 +33,12 @@ class PolicyConfig:
     seed: int = option(0, "sampling seed (worker i uses seed + i)", check=at_least(0))
     num_workers: int = option(1, "1: generate in this process; N: N Ray actors", check=at_least(1))
     micro_batch_size: int = option(32, "rows decoded together per forward pass", check=at_least(1))
+    cpu_threads: int | None = option(
+        1,
+        "torch threads of each process that generates on CPU; null: one per core "
+        "(slower when other processes share the cores)",
+        check=at_least(1),
+    )
 
 
 @dataclass(kw_only=True)

@@ -63,7 +63,8 @@ def per_task_metrics(stats: Mapping[str, TaskStats]) -> dict[str, dict[str, floa
 def combine_rollout_metrics(parts: Sequence[tuple[Mapping[str, Any], int]]) -> dict[str, Any]:
     """One rollout-metrics dict from per-batch ``(metrics, batch size)`` pairs: totals and
     times (``total_*``, ``*_s``) are summed, maxima (``max_*``) maxed, the rest (rates and
-    means) averaged weighted by batch size; values that are not numbers are left out."""
+    means) averaged weighted by batch size; values that are not numbers are left out.
+    ``generation_tokens_per_s`` is recomputed from the summed tokens and generation time."""
     combined: dict[str, Any] = {}
     size = sum(n for _, n in parts) or 1
     for key in dict.fromkeys(k for metrics, _ in parts for k in metrics):
@@ -76,7 +77,29 @@ def combine_rollout_metrics(parts: Sequence[tuple[Mapping[str, Any], int]]) -> d
             combined[key] = max((v for v, _ in values), default=0)
         else:
             combined[key] = sum(v * n for v, n in values) / size
+    if "generation_tokens_per_s" in combined:
+        seconds = combined.get("timing/generation_s", 0.0)
+        tokens = combined.get("total_generated_tokens", 0)
+        combined["generation_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
     return combined
+
+
+STARTUP_PHASES = ("ray", "envs_launch", "policy_load", "prompt_tokenization", "envs_wait")
+"""Start-up phases of ``envloop run``, in order: join or start Ray, launch the environment
+actors, load the policy (while the actors start), tokenize the prompts, wait for the actors."""
+
+
+def startup_metrics(timer: Any) -> dict[str, float]:
+    """``metrics.json``'s ``startup`` section from a ``PhaseTimer`` of
+    :data:`STARTUP_PHASES`: seconds per phase (``<phase>_s``) and their sum (``total_s``).
+
+    >>> class Timer:
+    ...     seconds = {"ray": 1.5, "policy_load": 2.0}
+    >>> startup_metrics(Timer())["total_s"], startup_metrics(Timer())["envs_wait_s"]
+    (3.5, 0.0)
+    """
+    seconds = {f"{name}_s": timer.seconds.get(name, 0.0) for name in STARTUP_PHASES}
+    return {**seconds, "total_s": sum(seconds.values())}
 
 
 def summary_table(stats: Mapping[str, TaskStats]) -> str:

@@ -3,9 +3,11 @@
 Each conversation (every message's ``role`` and ``content``) is rendered with the reward
 model's own chat template and scored by an ``AutoModelForSequenceClassification`` with one
 label (e.g. ``Skywork/Skywork-Reward-V2-Qwen3-0.6B``, or a local folder), on cuda when the
-process has a GPU, else on CPU. The reward is that scalar score; every episode ends after one
-step; ``answers`` holds each conversation's last assistant message (``None`` if it has none);
-the observation is ``{"role": "environment", "content": "Environment: reward 1.2345"}``.
+process has a GPU, else on CPU with one torch thread per CPU reserved for the actor
+(``resources.num_cpus``, at least 1). The reward is that scalar score; every episode ends
+after one step; ``answers`` holds each conversation's last assistant message (``None`` if it
+has none); the observation is
+``{"role": "environment", "content": "Environment: reward 1.2345"}``.
 
 A conversation longer than ``max_model_len`` tokens is cut from the left (a leading BOS is
 kept), so the last turn is always scored, and counted in ``reward_model_env/num_truncated``.
@@ -41,6 +43,7 @@ from envloop.environments.reward_model_packing import (
     plan_packed_rows,
     score_packed,
 )
+from envloop.models.generation.threads import set_cpu_threads
 
 __all__ = ["RewardModelEnvironment", "RewardModelEnvironmentConfig", "reward_model_ray_options"]
 PREFIX = "reward_model_env/"
@@ -53,6 +56,8 @@ class RewardModelEnvironment(EnvironmentInterface):
         self.config = validate_config(cfg)
         warn_unused(cfg or {})
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            set_cpu_threads(cpu_threads(self.config))
         self.tokenizer, self.model = load_reward_model(self.config, self.device)
         self.pad_id: int = self.model.config.get_text_config().pad_token_id
         self.template_kwargs = tokenizer_options(self.config).get("chat_template_kwargs") or {}
@@ -197,6 +202,16 @@ class RewardModelEnvironment(EnvironmentInterface):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # at interpreter exit modules may be gone
             self.shutdown()
+
+
+def cpu_threads(config: Any) -> int:
+    """torch threads of the actor on CPU: one per CPU Ray reserves for it
+    (``resources.num_cpus``), at least 1, so it never spins against its neighbours.
+
+    >>> cpu_threads({"resources": {"num_cpus": 4}}), cpu_threads({"resources": {"num_cpus": 0}})
+    (4, 1)
+    """
+    return max(1, int(reward_model_ray_options(config)["num_cpus"]))
 
 
 def _is_message(message: Any) -> bool:

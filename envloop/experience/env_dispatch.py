@@ -73,8 +73,9 @@ class EnvDispatcher:
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
     ) -> list[GroupResult]:
-        """Step each group's environment on its samples' logs and metadata, concurrently."""
-        self._wait_until_started(groups)
+        """Step each group's environment on its samples' logs and metadata, concurrently
+        (first waiting for new actors to start, unless :meth:`wait_until_started` did)."""
+        self.wait_until_started(groups)
         pending = {
             task: self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
             for task, idx in groups.items()
@@ -97,8 +98,9 @@ class EnvDispatcher:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _wait_until_started(self, groups: dict[str, list[int]]) -> None:
-        """Wait for new actors' constructors, so start-up never counts against the timeout.
+    def wait_until_started(self, groups: dict[str, list[int]]) -> None:
+        """Wait for the constructors of the groups' actors not seen before, so start-up never
+        counts against the step timeout (nor in the step's timing).
 
         A constructor that raised surfaces on the group's first step, as that step's error.
         """

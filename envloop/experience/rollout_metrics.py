@@ -1,4 +1,5 @@
-"""Rollout metrics (SPEC §7) and the per-phase wall-clock timer behind the timing metrics."""
+"""Rollout metrics (SPEC §7), the per-phase wall-clock timer behind the timing metrics, and
+the progress snapshot a running rollout reports after every turn."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -15,11 +17,14 @@ TIMING_PHASES = (
     "flatten",
     "generation",
     "gen_bookkeeping",
+    "env_startup",
     "env_step",
     "rewards_and_status",
     "obs_tokenization",
 )
-"""Phases of a turn, in order; ``timing/<phase>_s`` sums each over the rollout."""
+"""Phases of a turn, in order; ``timing/<phase>_s`` sums each over the rollout.
+``env_startup`` is the wait for environment actors' constructors before their first step
+(never counted in ``env_step``, nor against ``env_step_timeout_s``)."""
 
 
 class PhaseTimer:
@@ -34,6 +39,7 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.started = time.perf_counter()
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -44,11 +50,57 @@ class PhaseTimer:
             self.seconds[name] += time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class RolloutProgress:
+    """Where a running rollout stands; the ``on_turn`` option receives one after every turn.
+
+    >>> RolloutProgress(samples=4, samples_done=1, turns=6, generated_tokens=300,
+    ...                 generation_s=2.0, elapsed_s=3.0).tokens_per_s
+    150.0
+    """
+
+    samples: int
+    """Samples in the rollout (B)."""
+    samples_done: int
+    """Samples that take no further turn: ended, truncated or failed."""
+    turns: int
+    """Turns taken so far, summed over samples."""
+    generated_tokens: int
+    """Tokens the policy generated so far, summed over samples."""
+    generation_s: float
+    """Wall-clock seconds spent in the policy's ``generate`` so far."""
+    elapsed_s: float
+    """Wall-clock seconds since the rollout started."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of generation (0 before any generation)."""
+        return self.generated_tokens / self.generation_s if self.generation_s > 0 else 0.0
+
+
+def rollout_progress(state: RolloutState, timer: PhaseTimer) -> RolloutProgress:
+    """The progress of the rollout whose state is ``state`` and timer ``timer``."""
+    return RolloutProgress(
+        samples=state.size,
+        samples_done=int(state.done.sum()),
+        turns=int(state.turns.sum()),
+        generated_tokens=int(state.gen_tokens.sum()),
+        generation_s=timer.seconds.get("generation", 0.0),
+        elapsed_s=time.perf_counter() - timer.started,
+    )
+
+
 def rollout_metrics(
     state: RolloutState, max_turns_reached: torch.Tensor, timer: PhaseTimer
 ) -> dict[str, float | int]:
-    """The metrics of a finished rollout. ``max_turns_reached`` is [B] bool."""
+    """The metrics of a finished rollout. ``max_turns_reached`` is [B] bool.
+
+    ``generation_tokens_per_s`` is ``total_generated_tokens / timing/generation_s`` (0 when
+    nothing was generated): the policy's throughput, environment time excluded.
+    """
     turns = state.turns.float()
+    generated = int(state.gen_tokens.sum())
+    generation_s = timer.seconds.get("generation", 0.0)
     metrics: dict[str, float | int] = {
         "total_turns": int(state.turns.sum()),
         "avg_turns_per_sample": _mean(turns),
@@ -60,6 +112,8 @@ def rollout_metrics(
         "mean_gen_tokens_per_sample": _mean(state.gen_tokens),
         "mean_env_tokens_per_sample": _mean(state.env_tokens),
         "mean_total_tokens_per_sample": _mean(state.tokens.lengths),
+        "total_generated_tokens": generated,
+        "generation_tokens_per_s": generated / generation_s if generation_s > 0 else 0.0,
     }
     for name in TIMING_PHASES:
         metrics[f"timing/{name}_s"] = timer.seconds.get(name, 0.0)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from envloop.config_errors import ConfigError, config_from_mapping
+
+if TYPE_CHECKING:
+    from envloop.experience.rollout_metrics import RolloutProgress
 
 ObservationFormat = Literal["raw", "chat_template"]
 OnEnvError = Literal["record", "raise"]
@@ -28,6 +32,9 @@ class RolloutOptions:
     """``record``: a failing environment fails only its samples. ``raise``: fail fast."""
     env_max_retries: int = 1
     """Retries of a step whose Ray actor died (Ray restarts the actor in between)."""
+    on_turn: Callable[[RolloutProgress], None] | None = None
+    """Called after every turn with a :class:`~envloop.experience.rollout_metrics.RolloutProgress`
+    (samples done, turns, generated tokens, seconds), e.g. to draw progress; None: nothing."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -42,6 +49,11 @@ class RolloutOptions:
             problems.append(f"env_step_timeout_s: {timeout!r} must be a positive number or None")
         if not isinstance(self.env_max_retries, int) or self.env_max_retries < 0:
             problems.append(f"env_max_retries: {self.env_max_retries!r} must be an int >= 0")
+        if self.on_turn is not None and not callable(self.on_turn):
+            problems.append(
+                f"on_turn: {self.on_turn!r} is not callable; pass a function of one "
+                "RolloutProgress, or None"
+            )
         if problems:
             raise ConfigError("rollout options", problems)
 

@@ -27,7 +27,12 @@ from envloop.experience.env_dispatch import (
     check_tasks_have_envs,
     group_by_task,
 )
-from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics
+from envloop.experience.rollout_metrics import (
+    PhaseTimer,
+    RolloutProgress,
+    rollout_metrics,
+    rollout_progress,
+)
 from envloop.experience.rollout_options import RolloutOptions
 from envloop.experience.rollout_state import (
     RolloutState,
@@ -42,6 +47,7 @@ from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = [
     "EnvironmentStepError",
+    "RolloutProgress",
     "calculate_rewards",
     "generate_responses",
     "run_multi_turn_rollout",
@@ -71,7 +77,7 @@ def run_multi_turn_rollout(
         greedy: greedy decoding instead of sampling.
         **options: see :class:`~envloop.experience.rollout_options.RolloutOptions`
             (``observation_format``, ``env_step_timeout_s``, ``on_env_error``,
-            ``env_max_retries``).
+            ``env_max_retries``, ``on_turn``).
 
     Returns:
         ``(final_batch, metrics)``: the input batch (not mutated) with extended
@@ -102,6 +108,8 @@ def run_multi_turn_rollout(
             _run_turn(
                 state, active, policy_generation, tokenizer, dispatcher, renderer, greedy, timer
             )
+            if opts.on_turn is not None:
+                opts.on_turn(rollout_progress(state, timer))
     finally:
         dispatcher.shutdown()
     max_turns_reached = ~state.done
@@ -124,8 +132,10 @@ def _run_turn(
         output = policy.generate(gen_input, greedy=greedy)
     with timer.phase("gen_bookkeeping"):
         responses = append_responses(state, active, gen_input, output, tokenizer)
+    groups = group_by_task(state.task_names, active.tolist())
+    with timer.phase("env_startup"):
+        dispatcher.wait_until_started(groups)
     with timer.phase("env_step"):
-        groups = group_by_task(state.task_names, active.tolist())
         results = dispatcher.step(groups, state.env_views, state.metadata)
     with timer.phase("rewards_and_status"):
         record_rewards(state, results)

@@ -19,6 +19,7 @@ register_env("test_guess", "tests.fixtures.envs:GuessNumberEnv", overwrite=True)
 register_env("test_failing", "tests.fixtures.envs:FailingEnv", overwrite=True)
 register_env("test_slow", "tests.fixtures.envs:SlowEnv", overwrite=True)
 register_env("test_die_once", "tests.fixtures.envs:DieOnceEnv", overwrite=True)
+register_env("test_slow_start", "tests.fixtures.envs:SlowStartEnv", overwrite=True)
 
 MIXED = [
     guess_sample(37),
@@ -82,6 +83,19 @@ def test_slow_actor_times_out(ray_session, tiny_tokenizer):
     final, _ = _run(tiny_tokenizer, envs, env_step_timeout_s=0.5)
     assert final["env_error"][1] == "env calc.step timed out after 0.5 s"
     assert final["total_reward"][0].item() == 1.0
+
+
+def test_actor_start_up_is_timed_apart_from_its_steps(ray_session, tiny_tokenizer):
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    batch = make_batch(tiny_tokenizer, [guess_sample(37), guess_sample(50)])
+    env = create_env("test_slow_start", 3.0, num_cpus=0)  # its constructor sleeps 3 s
+    final, metrics = run_multi_turn_rollout(
+        policy, batch, tiny_tokenizer, {"guess": env}, 512, env_step_timeout_s=1.0
+    )
+    assert final["env_error"] == [None, None]  # start-up never counts against the timeout
+    assert final["num_turns"].tolist() == [3, 1]
+    assert metrics["timing/env_startup_s"] >= 2.0  # most of the 3 s sleep, waited on once
+    assert metrics["timing/env_step_s"] < 1.0  # three quick steps, no start-up in them
 
 
 def test_dead_actor_is_restarted_and_the_step_retried(ray_session, tiny_tokenizer, tmp_path):

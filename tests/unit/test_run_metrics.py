@@ -30,6 +30,20 @@ def test_combine_rollout_metrics_sums_maxes_and_weights():
     assert combine_rollout_metrics([]) == {}
 
 
+def test_combined_tokens_per_s_is_total_tokens_over_total_generation_time():
+    parts = [
+        ({"total_generated_tokens": 300, "timing/generation_s": 1.0,
+          "generation_tokens_per_s": 300.0}, 4),
+        ({"total_generated_tokens": 100, "timing/generation_s": 3.0,
+          "generation_tokens_per_s": 100 / 3}, 2),
+    ]  # fmt: skip
+    assert combine_rollout_metrics(parts) == {
+        "total_generated_tokens": 400,
+        "timing/generation_s": 4.0,
+        "generation_tokens_per_s": 100.0,  # not the sum, nor the mean of the two rates
+    }
+
+
 def test_tally_per_task_and_summary_table():
     stats: dict[str, TaskStats] = {}
     tally([{"task": "sliding_puzzle", "total_reward": 1.0, "num_turns": 4},

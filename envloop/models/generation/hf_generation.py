@@ -29,6 +29,7 @@ from envloop.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from envloop.models.generation.threads import DEFAULT_CPU_THREADS, set_cpu_threads
 
 _DEVICES = ("cpu", "cuda", "auto")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +76,10 @@ class HfGenerationConfig:
     """CPUs Ray reserves for each worker actor (``num_workers > 1`` only)."""
     worker_num_gpus: float = 0.0
     """GPUs Ray reserves for each worker actor; must be > 0 for ``device='cuda'`` workers."""
+    cpu_threads: int | None = DEFAULT_CPU_THREADS
+    """torch threads of the process that generates on CPU (this one, or each worker actor);
+    process-wide (see :mod:`~envloop.models.generation.threads`). None: torch's default (one
+    per core), fastest only on an otherwise idle machine. Ignored on cuda."""
 
     def __post_init__(self) -> None:
         if self.tokenizer_name is None:
@@ -115,7 +120,8 @@ class HfGeneration(GenerationInterface):
         from transformers import AutoTokenizer
 
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer_name))
+        tokenizer_name = config.tokenizer_name or config.model_name  # set by __post_init__
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_name))
         self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
         self._workers: list[Any] = []
@@ -123,6 +129,8 @@ class HfGeneration(GenerationInterface):
             self._workers = _start_workers(config)
             return
         self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            set_cpu_threads(config.cpu_threads)
         self.model = _load_model(config, self.device)
         self.eos_ids = _eos_token_ids(self.tokenizer, self.model)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -243,6 +251,11 @@ def _config_problems(cfg: HfGenerationConfig) -> list[str]:
             "worker_num_gpus",
             _is_number(cfg.worker_num_gpus) and cfg.worker_num_gpus >= 0,
             "a number >= 0",
+        ),
+        (
+            "cpu_threads",
+            cfg.cpu_threads is None or _is_int(cfg.cpu_threads, 1),
+            "None or an int >= 1",
         ),
     ]
     problems = [

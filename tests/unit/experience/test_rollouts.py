@@ -109,6 +109,45 @@ def test_max_turns_reached(tiny_tokenizer, policy):
     assert metrics["natural_termination_rate"] == 0.5
 
 
+def test_on_turn_reports_progress_after_every_turn(tiny_tokenizer, policy):
+    batch = make_batch(tiny_tokenizer, [guess_sample(37), guess_sample(50), guess_sample(99, 3)])
+    seen = []
+    final, metrics = run_multi_turn_rollout(
+        policy, batch, tiny_tokenizer, ENVS, max_seq_len=512, on_turn=seen.append
+    )
+    replies = [[m for m in log if m["role"] == "assistant"] for log in final["message_log"]]
+    tokens_after = [
+        sum(len(m["token_ids"]) for r in replies for m in r[:turn]) for turn in (1, 2, 3)
+    ]
+    assert [(p.samples, p.samples_done, p.turns, p.generated_tokens) for p in seen] == [
+        (3, 1, 3, tokens_after[0]),  # 50 is right at once
+        (3, 1, 5, tokens_after[1]),
+        (3, 3, 7, tokens_after[2]),
+    ]
+    assert [p.generation_s for p in seen] == sorted(p.generation_s for p in seen)
+    assert seen[-1].generation_s == metrics["timing/generation_s"]
+    assert metrics["total_generated_tokens"] == tokens_after[2] == 53
+    assert metrics["generation_tokens_per_s"] == 53 / metrics["timing/generation_s"]
+    assert seen[-1].tokens_per_s == metrics["generation_tokens_per_s"]
+
+
+def test_timing_metrics_name_every_phase(tiny_tokenizer, policy):
+    batch = make_batch(tiny_tokenizer, [guess_sample(37)])
+    _, metrics = run_multi_turn_rollout(policy, batch, tiny_tokenizer, ENVS, max_seq_len=512)
+    assert [k for k in metrics if k.startswith("timing/")] == [
+        "timing/flatten_s", "timing/generation_s", "timing/gen_bookkeeping_s",
+        "timing/env_startup_s", "timing/env_step_s", "timing/rewards_and_status_s",
+        "timing/obs_tokenization_s",
+    ]  # fmt: skip
+    assert metrics["env_time_s"] == metrics["timing/env_step_s"]
+
+
+def test_on_turn_must_be_callable(tiny_tokenizer, policy):
+    batch = make_batch(tiny_tokenizer, [guess_sample(37)])
+    with pytest.raises(ConfigError, match=r"on_turn: 'print' is not callable; pass a function"):
+        run_multi_turn_rollout(policy, batch, tiny_tokenizer, ENVS, 512, on_turn="print")
+
+
 def test_mixed_tasks_keep_batch_order(tiny_tokenizer, policy):
     samples = [
         guess_sample(37),

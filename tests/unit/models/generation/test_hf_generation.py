@@ -321,7 +321,13 @@ def test_bad_inputs_raise_errors_naming_the_key(greedy_gen):
 def test_config_lists_every_bad_field_with_its_fix():
     with pytest.raises(ConfigError) as info:
         HfGenerationConfig(
-            model_name="m", device="tpu", dtype="fp8", temperature=0, top_p=1.5, top_k=0
+            model_name="m",
+            device="tpu",
+            dtype="fp8",
+            temperature=0,
+            top_p=1.5,
+            top_k=0,
+            cpu_threads=0,
         )
     assert [p.split(":")[0] for p in info.value.problems] == [
         "device",
@@ -329,7 +335,9 @@ def test_config_lists_every_bad_field_with_its_fix():
         "temperature",
         "top_p",
         "top_k",
+        "cpu_threads",
     ]
+    assert "cpu_threads: 0 must be None or an int >= 1" in str(info.value)
     assert "one of float32, bfloat16, float16" in str(info.value)
 
     with pytest.raises(ConfigError, match=r"(?s)max_new_token: unknown option. Did you mean"):
@@ -345,6 +353,20 @@ def test_tokenizer_without_pad_token_raises_with_the_fix(tiny_policy_dir, tmp_pa
         HfGeneration(config)
 
 
+def test_cpu_generation_sets_this_process_torch_threads(tiny_policy_dir):
+    before = torch.get_num_threads()
+    try:
+        assert HfGenerationConfig(model_name="m").cpu_threads == 1
+        HfGeneration(HfGenerationConfig(model_name=str(tiny_policy_dir), cpu_threads=2))
+        assert torch.get_num_threads() == 2
+        HfGeneration(HfGenerationConfig(model_name=str(tiny_policy_dir), cpu_threads=None))
+        assert torch.get_num_threads() == 2  # None leaves the count as it was
+        HfGeneration(HfGenerationConfig(model_name=str(tiny_policy_dir)))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 # --- Ray workers -------------------------------------------------------------------------
 
 
@@ -352,11 +374,19 @@ def test_tokenizer_without_pad_token_raises_with_the_fix(tiny_policy_dir, tmp_pa
 @pytest.mark.slow
 def test_two_ray_workers_match_in_process_greedy(ray_session, greedy_gen, untied_policy_dir):
     config = HfGenerationConfig(
-        model_name=str(untied_policy_dir), max_new_tokens=24, num_workers=2, micro_batch_size=2
+        model_name=str(untied_policy_dir),
+        max_new_tokens=24,
+        num_workers=2,
+        micro_batch_size=2,
+        cpu_threads=2,  # Ray's own default in an actor reserving 1 CPU would be 1
     )
     workers = HfGeneration(config)
     try:
         assert workers.model is None
+        threads = [
+            w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in workers._workers
+        ]
+        assert ray_session.get(threads) == [2, 2]
         assert workers.prepare_for_generation()
         stops = [None, None, ["this never appears"], None, None]
         batch = make_batch(workers.tokenizer, PROMPTS, stop_strings=stops)
