@@ -5,7 +5,9 @@ an empty environment (only ``PATH``, ``LANG``, ``PYTHONHASHSEED``), sends it the
 tests on stdin, and reads at most ``max_output_bytes`` of output until a wall-clock deadline;
 then it kills the child's whole process group. Before running any untrusted code the child
 applies these layers, strongest first (each run reports the ones in force in
-``RunResult.protections``):
+``RunResult.protections``), then reports that it is ready; the wall-clock limit counts from
+there, so a slow start on a busy machine is not charged to the code (the start itself has
+its own limit, ``_START_LIMIT_S``):
 
 * ``netns``, ``chroot`` (parent is root, kernel allows ``unshare``): a private network
   namespace (only a downed loopback: no network at all) and a private mount namespace whose
@@ -64,7 +66,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # the sandbox must not load subprocess: it would bypass the fork block
     import subprocess
@@ -73,14 +75,16 @@ _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_sandbox_
 _COMMAND = [sys.executable, "-S", "-s", "-B", "-P", _CHILD]
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 _STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_bytes
+_READY = b'{"protections"'  # the child's first status line: isolated, about to run the code
+_START_LIMIT_S = 120.0  # wall-clock limit of the start-up (interpreter, isolation), not the code
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
     """Resource limits of one sandbox run (see the module docstring for what each enforces)."""
 
-    timeout_s: float = 10.0  # wall-clock limit of the whole run (replays and tests included)
-    cpu_time_s: int = 10  # CPU seconds (RLIMIT_CPU); the process is killed past it
+    timeout_s: float = 10.0  # wall-clock limit of the code (replays and tests included)
+    cpu_time_s: int = 10  # CPU seconds (RLIMIT_CPU, start-up included); killed past it
     memory_mb: int = 1024  # address space (RLIMIT_AS); allocations beyond raise MemoryError
     max_output_bytes: int = 16384  # output kept; more stops the run
     max_processes: int = 1  # RLIMIT_NPROC of the sandbox user; 1 also blocks fork/subprocess
@@ -165,10 +169,18 @@ def run_cells(
             _send(proc, json.dumps(request).encode())
             out, status, cut = _read_output(proc, limits)
         finally:
-            _kill_group(proc)
+            ending = _end(proc)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _result(out, status, cut, proc.returncode, request)
+    return _result(out, status, cut, ending, request)
+
+
+class _Ending(NamedTuple):
+    """How the sandbox process ended: facts for the stop reason, not timing guesses."""
+
+    returncode: int  # as Popen's: negative for a signal
+    cpu_s: float  # user + system CPU seconds it used (its rusage)
+    killed_by_parent: bool  # still running when run_cells killed its process group
 
 
 def _user_problems(user: str) -> list[str]:
@@ -203,20 +215,22 @@ def _send(proc: subprocess.Popen[bytes], request: bytes) -> None:
 
 
 def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[bytes, bytes, str]:
-    """Stdout and stderr until both close, the deadline passes ("timeout") or stdout passes
-    ``max_output_bytes`` ("output"); the third value is that reason, or ""."""
+    """Stdout and stderr until both close, a deadline passes or stdout passes
+    ``max_output_bytes``; the third value is why reading stopped early ("start": not ready
+    within ``_START_LIMIT_S``; "timeout": ``timeout_s`` passed since it was ready; "output"),
+    or ""."""
     assert proc.stdout is not None and proc.stderr is not None
     out, err = proc.stdout.fileno(), proc.stderr.fileno()
     caps = {out: limits.max_output_bytes, err: _STATUS_BYTES}
     data = {out: bytearray(), err: bytearray()}
-    deadline = time.monotonic() + limits.timeout_s
+    ready, deadline = False, time.monotonic() + _START_LIMIT_S
     with selectors.DefaultSelector() as selector:
         for fd in data:
             selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
             left = deadline - time.monotonic()
             if left <= 0:
-                return bytes(data[out]), bytes(data[err]), "timeout"
+                return bytes(data[out]), bytes(data[err]), "timeout" if ready else "start"
             for key, _ in selector.select(min(left, 0.1)):
                 chunk = os.read(key.fd, 1 << 16)
                 data[key.fd].extend(chunk)
@@ -224,20 +238,35 @@ def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[
                     selector.unregister(key.fd)
                 elif len(data[key.fd]) > caps[key.fd]:
                     return bytes(data[out]), bytes(data[err]), "output"
-            if proc.poll() is not None:
+            if not ready and data[err].startswith(_READY) and b"\n" in data[err]:
+                ready, deadline = True, time.monotonic() + limits.timeout_s
+            if not _running(proc):
                 _kill_group(proc)  # children it left behind would hold the pipes open
     return bytes(data[out]), bytes(data[err]), ""
+
+
+def _running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether the sandbox process has not exited yet (it is not reaped: see :func:`_end`)."""
+    return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the child's process group (one ``kill`` reaches forks in flight too)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+
+
+def _end(proc: subprocess.Popen[bytes]) -> _Ending:
+    """Kill the process group, reap the sandbox process, and say how it ended."""
+    running = _running(proc)
+    _kill_group(proc)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return _Ending(proc.returncode, usage.ru_utime + usage.ru_stime, running)
 
 
 def _result(
-    out: bytes, status: bytes, cut: str, returncode: int, request: dict[str, Any]
+    out: bytes, status: bytes, cut: str, ending: _Ending, request: dict[str, Any]
 ) -> RunResult:
     limits = SandboxLimits(**request["limits"])
     n_cells, n_tests = len(request["cells"]), len(request["tests"])
@@ -251,7 +280,7 @@ def _result(
     return RunResult(
         output=out[: limits.max_output_bytes].decode("utf-8", errors="replace"),
         error=last_error if isinstance(last_error, str) else None,
-        stopped=_stop_reason(cut, returncode, done, limits, stderr_lines[-1:]),
+        stopped=_stop_reason(cut, ending, done, limits, stderr_lines[-1:]),
         cells_finished=len(cells),
         tests_passed=len(passed),
         protections=tuple(map(str, protections)) if isinstance(protections, list) else (),
@@ -259,16 +288,21 @@ def _result(
 
 
 def _stop_reason(
-    cut: str, returncode: int, done: bool, limits: SandboxLimits, tail: list[str]
+    cut: str, ending: _Ending, done: bool, limits: SandboxLimits, tail: list[str]
 ) -> str | None:
-    if cut == "timeout":
-        return f"Stopped: the code ran longer than the {limits.timeout_s:g} s time limit."
+    """Why the run stopped early, from facts: what the parent cut it for, whether the process
+    was still running when the parent killed it, its signal and the CPU time it used."""
     if cut == "output":
         return f"Stopped: the output passed the {limits.max_output_bytes}-byte limit."
-    if returncode == -signal.SIGXCPU:
+    if _hit_cpu_limit(ending, limits):
         return f"Stopped: the code used more than {limits.cpu_time_s} s of CPU time."
+    if cut == "timeout":
+        return f"Stopped: the code ran longer than the {limits.timeout_s:g} s time limit."
+    if cut == "start":
+        return f"Stopped: the sandbox did not start within {_START_LIMIT_S:g} s."
     if done:
         return None
+    returncode = ending.returncode
     how = f"exit code {returncode}"
     if returncode < 0:
         how = (
@@ -278,6 +312,28 @@ def _stop_reason(
         )
     detail = f": {tail[0][:300]}" if tail and not tail[0].startswith("{") else ""
     return f"Stopped: the sandbox process ended early ({how}){detail}."
+
+
+def _hit_cpu_limit(ending: _Ending, limits: SandboxLimits) -> bool:
+    """RLIMIT_CPU ended the process: SIGXCPU at the soft limit, or SIGKILL at the hard limit
+    (one second later; also when the code ignored SIGXCPU, or its CPU time passed both limits
+    between two checks) that the parent did not send, after using its whole CPU budget.
+
+    >>> limits = SandboxLimits(cpu_time_s=1)
+    >>> _hit_cpu_limit(_Ending(-signal.SIGKILL, 2.01, killed_by_parent=False), limits)
+    True
+    >>> _hit_cpu_limit(_Ending(-signal.SIGKILL, 2.01, killed_by_parent=True), limits)
+    False
+    >>> _hit_cpu_limit(_Ending(-signal.SIGKILL, 0.2, killed_by_parent=False), limits)
+    False
+    """
+    if ending.returncode == -signal.SIGXCPU:
+        return True
+    return (
+        ending.returncode == -signal.SIGKILL
+        and not ending.killed_by_parent
+        and ending.cpu_s >= limits.cpu_time_s
+    )
 
 
 def _json_or_none(line: bytes) -> Any:

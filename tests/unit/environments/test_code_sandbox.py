@@ -18,35 +18,47 @@ import pytest
 from envloop.environments import code_sandbox
 from envloop.environments.code_sandbox import RunResult, SandboxLimits, run_cells
 
-LIMITS = SandboxLimits(timeout_s=1.5, cpu_time_s=5, memory_mb=256, max_output_bytes=1000)
+# A generous wall-clock limit: on a loaded machine a run that must finish never meets it.
+# Tests that expect a limit provoke it deterministically: sleeping code for the wall clock
+# (it uses no CPU), a CPU limit far above the wall-clock one, a wall clock far above the CPU one.
+LIMITS = SandboxLimits(timeout_s=60.0, cpu_time_s=5, memory_mb=256, max_output_bytes=1000)
 IS_ROOT = os.geteuid() == 0
-SANDBOX_SCRIPT = os.path.abspath(code_sandbox.__file__).encode()
 HOST_LIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NPROC)
 
 
-def sandbox_processes() -> list[int]:
-    """Live (not zombie) processes running the sandbox script, forks included."""
+def process_groups_left(groups: set[int]) -> list[int]:
+    """Live (not zombie) processes in the given process groups, forks included."""
     pids = []
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
             with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
         except OSError:
             continue
-        if SANDBOX_SCRIPT in cmdline.split(b"\0") and state != "Z":
+        if int(pgrp) in groups and state != "Z":
             pids.append(int(entry))
     return pids
 
 
 @pytest.fixture
-def host():
-    """Checks after the test that no sandbox process is left, the host's own limits are
-    untouched, and it can still start a process."""
+def host(monkeypatch):
+    """Checks after the test that no process of its sandboxes is left (other test runs on the
+    machine have their own), the host's own limits are untouched, and it can still start a
+    process."""
     limits = [resource.getrlimit(kind) for kind in HOST_LIMITS]
+    groups: set[int] = set()
+    end = code_sandbox._end
+
+    def recording_end(proc):
+        groups.add(proc.pid)  # the sandbox's process group id
+        return end(proc)
+
+    monkeypatch.setattr(code_sandbox, "_end", recording_end)
     yield
-    assert sandbox_processes() == []
+    deadline = time.monotonic() + 60  # SIGKILLed processes take a moment to exit when loaded
+    while process_groups_left(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process_groups_left(groups) == []
     assert [resource.getrlimit(kind) for kind in HOST_LIMITS] == limits
     probe = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
     assert probe.stdout == "42\n"
@@ -78,17 +90,66 @@ def test_errors_are_the_last_lines_of_the_traceback(host):
 
 
 def test_infinite_loop_is_stopped_at_the_wall_clock_limit(host):
-    start = time.monotonic()
-    result = run("print('start')\nwhile True:\n    pass", timeout_s=1.0)
-    assert time.monotonic() - start < 3.0
+    # CPU time cannot outrun wall time, so a 60 s CPU limit cannot come before the 1 s one
+    result = run("print('start')\nwhile True:\n    pass", timeout_s=1.0, cpu_time_s=60)
     assert result.output == "start\n"
     assert result.stopped == "Stopped: the code ran longer than the 1 s time limit."
     assert result.cells_finished == 0
 
 
 def test_cpu_burn_is_killed_at_the_cpu_limit(host):
-    result = run("while True:\n    pass", cpu_time_s=1, timeout_s=20.0)
+    # the wall-clock limit is far away: on a loaded machine 1 s of CPU can take 20 s
+    result = run("while True:\n    pass", cpu_time_s=1, timeout_s=3600.0)
     assert result.stopped == "Stopped: the code used more than 1 s of CPU time."
+
+
+def test_code_ignoring_sigxcpu_is_killed_at_the_hard_cpu_limit_and_told_so(host):
+    # SIGKILL at the hard limit, which the parent did not send: the CPU limit, by its rusage
+    code = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
+    result = run(code, cpu_time_s=1, timeout_s=3600.0)
+    assert result.stopped == "Stopped: the code used more than 1 s of CPU time."
+
+
+def test_the_stop_reason_comes_from_how_the_process_ended():
+    limits = dataclasses.replace(LIMITS, cpu_time_s=1, timeout_s=2.0)
+    cpu = "Stopped: the code used more than 1 s of CPU time."
+    wall = "Stopped: the code ran longer than the 2 s time limit."
+
+    def reason(cut, returncode, cpu_s, killed_by_parent, done=False):
+        ending = code_sandbox._Ending(returncode, cpu_s, killed_by_parent)
+        return code_sandbox._stop_reason(cut, ending, done, limits, [])
+
+    # a loaded machine: the rlimit's SIGKILL came before the parent noticed its deadline
+    assert reason("timeout", -9, 2.01, killed_by_parent=False) == cpu
+    assert reason("", -9, 2.01, killed_by_parent=False) == cpu
+    assert reason("timeout", -24, 1.0, killed_by_parent=False) == cpu
+    assert reason("timeout", -9, 1.5, killed_by_parent=True) == wall  # it was still running
+    assert reason("", -9, 0.2, killed_by_parent=False) == (
+        "Stopped: the sandbox process ended early (signal SIGKILL)."
+    )  # someone else's SIGKILL (the OOM killer, say) is not called a CPU limit
+    assert reason("", 0, 0.2, killed_by_parent=False, done=True) is None
+
+
+def slow_start(monkeypatch, seconds: float) -> None:
+    """Make the sandbox take ``seconds`` to start, as on a loaded machine."""
+    command = " ".join(code_sandbox._COMMAND)
+    monkeypatch.setattr(
+        code_sandbox, "_COMMAND", ["/bin/sh", "-c", f"sleep {seconds}; exec {command}"]
+    )
+
+
+def test_a_slow_start_is_not_charged_to_the_codes_time_limit(host, monkeypatch):
+    slow_start(monkeypatch, 2)
+    result = run("print('quick')", timeout_s=1.0)
+    assert (result.output, result.stopped) == ("quick\n", None)
+
+
+def test_a_sandbox_that_does_not_start_is_stopped_and_told_so(host, monkeypatch):
+    slow_start(monkeypatch, 30)
+    monkeypatch.setattr(code_sandbox, "_START_LIMIT_S", 0.5)
+    result = run("print('never')")
+    assert (result.output, result.cells_finished) == ("", 0)
+    assert result.stopped == "Stopped: the sandbox did not start within 0.5 s."
 
 
 def test_sleeping_code_is_stopped_too(host):
