@@ -33,21 +33,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.handler(args))
     except ConfigError as exc:
-        print(f"envloop {args.command}: {exc}", file=sys.stderr)
+        print(f"envloop {args.command}: {config_error_text(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (envloop envs | head): not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (so the exit-time flush is silent)
         return 0
-    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as exc:
-        print(f"envloop {args.command}: error: {exc}", file=sys.stderr)
+    except (OSError, ImportError, RuntimeError, ValueError) as exc:
+        print(f"envloop {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1
+
+
+def config_error_text(exc: ConfigError) -> str:
+    """``exc`` as printed: one line for one problem, else a line per problem.
+
+    >>> config_error_text(ConfigError("run config", ["rollout.max_turns: expected int"]))
+    'invalid run config: rollout.max_turns: expected int'
+    """
+    if len(exc.problems) == 1:
+        return f"invalid {exc.what}: {exc.problems[0]}"
+    return str(exc)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser; each subcommand sets ``handler`` (a function of the args)."""
     from envloop import cli_envs
 
-    parser = argparse.ArgumentParser(prog="envloop", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="envloop",
+        description=_plain(__doc__.split("\n")[0]),
+        epilog=_plain(__doc__.split("\n\n")[2].strip()),
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="roll out a policy against environments")
@@ -79,16 +98,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _plain(text: str) -> str:
+    """Docstring text as a terminal shows it: ``literal`` markup dropped."""
+    return text.replace("``", "")
+
+
 def _run(args: argparse.Namespace) -> int:
+    """Validate the config, then the prompts against the policy's tokenizer, and only then
+    import the rollout machinery (torch, the policy, Ray) and run: a bad run fails fast."""
+    from envloop.run_config import load_run_config
+    from envloop.run_preflight import prepare_inputs
+
+    config = load_run_config(args.config, args.overrides)  # torch only once otherwise valid
+    inputs = prepare_inputs(config)  # prompts, tokenizer and lengths, before Ray
     from transformers.utils import logging as hf_logging
 
     from envloop.run import run
-    from envloop.run_config import load_run_config
     from envloop.run_metrics import summary_table
 
-    config = load_run_config(args.config, args.overrides)
     hf_logging.disable_progress_bar()  # our own progress is the one to watch
-    result = run(config, quiet=args.quiet)
+    result = run(config, quiet=args.quiet, inputs=inputs)
     print(summary_table(result.stats))
     print(f"run directory: {result.run_dir}")
     build_report = _optional_import("envloop.report", "build_report")

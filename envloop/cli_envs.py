@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ def list_command(args: argparse.Namespace) -> int:
     from envloop.environments.registry import get_env_class, list_envs, unknown_name_message
 
     names = args.names or list_envs()
+    print(ENVS_HEADER + "\n")
     for name in names:
         try:
             cls = get_env_class(name)
@@ -46,17 +48,63 @@ def list_command(args: argparse.Namespace) -> int:
     return 0
 
 
+ENVS_HEADER = (
+    "Registered environments: each one's class, then its config keys with their type, default\n"
+    '(JSON notation: null, true, "text") and description. Set them under envs.<task>.config\n'
+    "in a run config; envloop envs NAME shows one."
+)
+COLUMNS = ("key", "type", "default", "description")
+WIDE_DEFAULT = 24
+"""Defaults longer than this do not widen their column (their description follows them)."""
+_RESTATED_DEFAULTS = (re.compile(r"\s*\[(.*)\]$"), re.compile(r"\s*\((?:default:? )?([^()]*)\)$"))
+
+
 def describe_config(cls: type) -> str:
-    """The config fields of environment ``cls`` as aligned lines: name, type, default, help."""
+    """The config fields of environment ``cls`` as aligned lines under a column header:
+    key, type, default (JSON notation), description (without a restated default)."""
     fields = env_config_fields(cls)
     if not fields:
         return "  (no typed config found)"
-    rows = [(f.name, f.type, json.dumps(f.default), f.help) for f in fields]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    rows = [COLUMNS] + [
+        (f.name, f.type, json.dumps(f.default), describe_field(f.help, f.default)) for f in fields
+    ]
+    widths = [max(len(r[i]) for r in rows if i < 2 or len(r[i]) <= WIDE_DEFAULT) for i in range(3)]
     return "\n".join(
         f"  {n:<{widths[0]}}  {t:<{widths[1]}}  {d:<{widths[2]}}  {h}".rstrip()
         for n, t, d, h in rows
     )
+
+
+def describe_field(help_text: str, default: Any) -> str:
+    """``help_text`` without a trailing restatement of ``default`` (``[4]``, ``(10)``,
+    ``(default 2)``: the default column shows it), and ``None`` written as ``null``.
+
+    >>> describe_field("worker processes (default 2)", 2), describe_field("limit [10.0]", 10.0)
+    ('worker processes', 'limit')
+    >>> describe_field('ends there [["</code>"]]', ["</code>"]), describe_field("x (None)", None)
+    ('ends there', 'x')
+    >>> describe_field("stop strings (default None: EOS only)", None)
+    'stop strings (null: EOS only)'
+    >>> describe_field('how answers are checked (None: "math")', "math")
+    'how answers are checked (null: "math")'
+    """
+    for pattern in _RESTATED_DEFAULTS:
+        match = pattern.search(help_text)
+        if match and _same_value(match.group(1), default):
+            return _null(help_text[: match.start()])
+    return _null(help_text)
+
+
+def _null(text: str) -> str:
+    return re.sub(r"\b(?:default )?None\b", "null", text)
+
+
+def _same_value(text: str, default: Any) -> bool:
+    try:
+        value = None if text == "None" else yaml.safe_load(text)
+    except yaml.YAMLError:
+        return False
+    return bool(value == default and type(value) in (type(default), int, float))
 
 
 def check_command(args: argparse.Namespace) -> int:
@@ -110,7 +158,8 @@ def _check(env: Any, logs: list, metadata: list, name: str, hint: str = "") -> i
         print(f"FAILED: {exc}")
         return 1
     rewards = ret.rewards if isinstance(ret.rewards, dict) else {"reward": ret.rewards}
-    print(f"OK: {name} keeps the environment contract on {len(logs)} samples")
+    samples = f"{len(logs)} sample{'s' * (len(logs) != 1)}"
+    print(f"OK: {name} keeps the environment contract on {samples}")
     for i, observation in enumerate(ret.observations):
         parts = ", ".join(f"{k} {float(v[i]):.4g}" for k, v in rewards.items())
         text = str(observation.get("content", ""))[:70].replace("\n", " ")

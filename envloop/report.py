@@ -62,7 +62,8 @@ def render_report(
     values = {
         "title": escape(title),
         "subtitle": escape(
-            f"{len(records)} samples · {len(tasks)} task{'s' * (len(tasks) != 1)}"
+            f"{len(records)} sample{'s' * (len(records) != 1)} · "
+            f"{len(tasks)} task{'s' * (len(tasks) != 1)}"
             + (f" · policy {model}" if model else "")
         ),
         "kpis": kpi_tiles(_kpis(records, metrics, len(tasks))),

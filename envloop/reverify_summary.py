@@ -41,8 +41,9 @@ def _is_change(sample: dict[str, Any]) -> bool:
 def format_reverify(summary: dict[str, Any], max_listed: int = 20) -> str:
     """The summary as terminal text: counts, a per-task table and the changed samples."""
     counts = ", ".join(f"{k} {v}" for k, v in summary["status_counts"].items())
+    samples = f"{summary['num_samples']} sample{'s' * (summary['num_samples'] != 1)}"
     lines = [
-        f"Re-verified {summary['num_samples']} samples of {summary['run_dir']}: "
+        f"Re-verified {samples} of {summary['run_dir']}: "
         f"{summary['num_changed']} changed ({counts}).",
         "",
         f"{'task':<20} {'samples':>7} {'old mean':>9} {'new mean':>9} {'changed':>7}",

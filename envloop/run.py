@@ -1,7 +1,8 @@
 """``envloop run``: a config in, a run directory out.
 
-The steps: load the prompts -> start (or join) Ray -> start one environment actor per task
--> load the policy meanwhile -> tokenize the prompts -> wait for the actors (each start-up
+The steps: load and tokenize the prompts, checked against ``rollout.max_seq_len``
+(:mod:`envloop.run_preflight`) -> start (or join) Ray -> start one environment actor per
+task -> load the policy meanwhile -> wait for the actors (each start-up
 phase timed into ``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples
 at a time (progress after each turn), appending to the rollout files -> each environment's
 ``global_post_process_and_metrics`` -> ``metrics.json``.
@@ -17,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from envloop.data.datasets import build_rollout_batch, load_prompt_samples
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
@@ -34,6 +34,7 @@ from envloop.run_metrics import (
     startup_metrics,
 )
 from envloop.run_outputs import RunWriter
+from envloop.run_preflight import RunInputs, prepare_inputs
 from envloop.run_records import TOKEN_KEYS, sample_records
 
 
@@ -46,14 +47,24 @@ class RunResult:
     metrics: dict[str, Any]  # what metrics.json holds
 
 
-def run(config: RunConfig, *, quiet: bool = False, stream: IO[str] | None = None) -> RunResult:
-    """Run ``config`` (see the module docstring); progress goes to ``stream`` (stdout)."""
+def run(
+    config: RunConfig,
+    *,
+    quiet: bool = False,
+    stream: IO[str] | None = None,
+    inputs: RunInputs | None = None,
+) -> RunResult:
+    """Run ``config`` (see the module docstring); progress goes to ``stream`` (stdout).
+    ``inputs``: the prompts already checked and tokenized by
+    :func:`~envloop.run_preflight.prepare_inputs` (else done here, before Ray starts)."""
     out = stream if stream is not None else sys.stdout
     started = time.perf_counter()
-    tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
-    samples = load_prompt_samples(config.data, tasks)
-    out.write(f"{len(samples)} prompts from {config.data.path}, tasks: {', '.join(tasks)}\n")
+    inputs = inputs if inputs is not None else prepare_inputs(config)
+    tasks = ", ".join(config.envs)
+    prompts = f"{len(inputs.samples)} prompt{'s' * (len(inputs.samples) != 1)}"
+    out.write(f"{prompts} from {config.data.path}, tasks: {tasks}\n")
     startup = PhaseTimer()  # its phases go to metrics.json's "startup"
+    startup.seconds["prompt_tokenization"] = inputs.seconds
     with startup.phase("ray"):
         ray_started = start_ray(config.ray)
     policy: HfGeneration | None = None
@@ -63,10 +74,7 @@ def run(config: RunConfig, *, quiet: bool = False, stream: IO[str] | None = None
             envs = start_envs(config.envs)  # they start while the policy loads
         with startup.phase("policy_load"):
             policy = make_policy(config.policy)
-        with startup.phase("prompt_tokenization"):
-            stops = {task: env.stop_strings for task, env in config.envs.items()}
-            gens = config.rollout.generations_per_prompt
-            batch = build_rollout_batch(samples, policy.tokenizer, gens, stops)
+        batch = inputs.batch  # tokenized before Ray started, with the same tokenizer files
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
         progress = Progress(batch.size, out, quiet)

@@ -26,7 +26,7 @@ import yaml
 
 from envloop.config_errors import ConfigError
 from envloop.config_schema import build_config, meta, reference_rows
-from envloop.run_config_checks import semantic_problems
+from envloop.run_config_checks import env_problems, semantic_problems
 from envloop.run_config_sections import (
     DataConfig,
     EnvConfig,
@@ -75,8 +75,12 @@ def load_run_config(
     """The YAML file at ``path`` (None: start from nothing) with ``overrides`` applied,
     validated. Raises one :class:`ConfigError` naming every bad key. With ``deep``, also
     checks that ``data.path`` exists (a relative path not found in the current directory
-    is looked up next to the config file), that the environments exist and their configs
-    fit their types, and that bundled models are present."""
+    is looked up next to the config file), that models, tokenizers and checkpoints can be
+    found, and that the environments exist and their configs fit their types.
+
+    The environment checks import the environment classes, and with them torch (about a
+    second): they run only once everything else is valid, so that a mistyped value fails
+    at once."""
     raw = _read_yaml(path) if path is not None else {}
     problems: list[str] = []
     raw = apply_overrides(raw, overrides, problems)
@@ -84,6 +88,8 @@ def load_run_config(
         _resolve_data_path(raw, Path(path).parent)
     config = build_config(RunConfig, raw, "", problems)
     problems += semantic_problems(raw, deep)
+    if not problems and deep:
+        problems += env_problems(raw)
     if problems or config is None:
         raise ConfigError("run config", problems)
     return config

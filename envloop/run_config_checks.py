@@ -1,26 +1,37 @@
-"""Checks of a run config that go beyond types: environments exist and their configs fit,
-the data and bundled models can be found. Each problem names its dotted key."""
+"""Checks of a run config that go beyond types, each problem naming its dotted key.
+
+Two tiers, so that a bad config fails fast: :func:`semantic_problems` needs no heavy
+imports (required sections, models, tokenizers, checkpoints and the dataset can be found);
+:func:`env_problems` imports each environment class (and with it torch) to check that the
+environment exists and that its config fits."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from envloop.demo import resolve_bundled, resolve_model
-from envloop.env_introspection import env_config_problems
-from envloop.environments.registry import get_env_class, list_envs, unknown_name_message
-from envloop.import_paths import import_from_path
+from envloop.run_config_paths import dataset_problem, file_problem, model_problem
 
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+__all__ = [
+    "env_problems",
+    "resolve_bundled",
+    "resolve_env_class",
+    "resolve_model",
+    "semantic_problems",
+]
+
 _FORMATS = ("auto", "jsonl", "parquet", "hf_disk", "hf_hub")
+ENV_MODEL_KEYS = ("model_name", "tokenizer", "tokenizer_name")
+"""Environment config keys naming a model or tokenizer (folder, hub id or bundled:<name>)."""
+ENV_FILE_KEYS = {"checkpoint_path": "state-dict file (.safetensors or a torch checkpoint)"}
+"""Environment config keys naming a local file, with what the file holds."""
 
 
 def semantic_problems(raw: Mapping[str, Any], deep: bool = True) -> list[str]:
     """Problems beyond types, found in the raw config mapping (so they are reported together
-    with type errors); ``deep`` also looks at files and imports environment classes."""
+    with type errors); ``deep`` also checks that the models, tokenizers, checkpoints and the
+    dataset named can be found (see :mod:`envloop.run_config_paths`). Imports nothing heavy."""
     envs, rollout = _section(raw, "envs"), _section(raw, "rollout")
     problems = []
     if not envs and "envs" in raw:
@@ -29,21 +40,36 @@ def semantic_problems(raw: Mapping[str, Any], deep: bool = True) -> list[str]:
         problems.append("rollout.mode: 'async' is not available yet; use sync")
     if not deep:
         return problems
+    policy = _section(raw, "policy")
+    for key in ("model", "tokenizer"):
+        if isinstance(policy.get(key), str):
+            problems += _some(model_problem(f"policy.{key}", policy[key]))
     for task, env in envs.items():
+        config = env.get("config") if isinstance(env, Mapping) else None
+        if isinstance(config, Mapping):
+            problems += _env_path_problems(f"envs.{task}.config", config)
+    data = _section(raw, "data")
+    fmt = data.get("format", "auto")
+    if isinstance(data.get("path"), str) and fmt in _FORMATS:
+        problems += _some(dataset_problem("data.path", data["path"], fmt))
+    return problems
+
+
+def env_problems(raw: Mapping[str, Any]) -> list[str]:
+    """Each task's environment exists and its config fits its type (imports the classes)."""
+    problems = []
+    for task, env in _section(raw, "envs").items():
         env = env if isinstance(env, Mapping) else {}
         if isinstance(env.get("name"), str):
             problems += _env_problems(task, env["name"], env.get("config"))
-    model = _section(raw, "policy").get("model")
-    if isinstance(model, str):
-        problems += _model_problems("policy.model", model)
-    data = _section(raw, "data")
-    if isinstance(data.get("path"), str) and data.get("format", "auto") in _FORMATS:
-        problems += _data_path_problems(data["path"], data.get("format", "auto"))
     return problems
 
 
 def resolve_env_class(name: str) -> type:
     """The class of a registered environment name or a ``module:Class`` path."""
+    from envloop.environments.registry import get_env_class, list_envs
+    from envloop.import_paths import import_from_path
+
     if ":" in name and name not in list_envs():
         cls: type = import_from_path(name, f"Environment {name!r}", "class", _is_class)
         return cls
@@ -51,6 +77,9 @@ def resolve_env_class(name: str) -> type:
 
 
 def _env_problems(task: str, name: str, config: Any) -> list[str]:
+    from envloop.env_introspection import env_config_problems
+    from envloop.environments.registry import list_envs, unknown_name_message
+
     key = f"envs.{task}"
     try:
         cls = resolve_env_class(name)
@@ -58,28 +87,31 @@ def _env_problems(task: str, name: str, config: Any) -> list[str]:
         return [f"{key}.name: {unknown_name_message('environment', name, list_envs())}"]
     except (ImportError, TypeError) as exc:
         return [f"{key}.name: {exc}"]
-    problems = env_config_problems(cls, config, f"{key}.config")
+    return env_config_problems(cls, config, f"{key}.config")
+
+
+def _env_path_problems(key: str, config: Mapping[str, Any]) -> list[str]:
+    """Models, tokenizers and checkpoints an environment's config names, and any other
+    ``bundled:<name>`` inside it."""
+    problems = []
+    for name in ENV_MODEL_KEYS:
+        value = config.get(name)
+        value = value.get("name") if isinstance(value, Mapping) else value
+        if isinstance(value, str):
+            problems += _some(model_problem(f"{key}.{name}", value))
+    for name, what in ENV_FILE_KEYS.items():
+        if isinstance(config.get(name), str):
+            problems += _some(file_problem(f"{key}.{name}", config[name], what))
+    rest = {k: v for k, v in config.items() if k not in ENV_MODEL_KEYS}
     try:
-        resolve_bundled(config)
+        resolve_bundled(rest)
     except (ValueError, FileNotFoundError) as exc:
-        problems.append(f"{key}.config: {exc}")
+        problems.append(f"{key}: {exc}")
     return problems
 
 
-def _model_problems(key: str, path: str) -> list[str]:
-    try:
-        resolve_model(path)
-    except (ValueError, FileNotFoundError) as exc:
-        return [f"{key}: {exc}"]
-    return []
-
-
-def _data_path_problems(path: str, fmt: str) -> list[str]:
-    if fmt == "hf_hub" or Path(path).exists():
-        return []
-    if fmt == "auto" and _HUB_ID.match(path) and not path.endswith(_FILE_SUFFIXES):
-        return []  # a hub id, resolved when the data loads
-    return [f"data.path: no such file or folder: {path}"]
+def _some(problem: str | None) -> list[str]:
+    return [] if problem is None else [problem]
 
 
 def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -17,13 +17,14 @@ import random
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envloop.config_errors import ConfigError
 from envloop.data.dataset_sources import Source, read_source
-from envloop.data.llm_message_utils import get_formatted_message_log
-from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.run_config_sections import DataConfig
+
+if TYPE_CHECKING:
+    from envloop.distributed.batched_data_dict import BatchedDataDict
 
 MAX_ROW_PROBLEMS = 10
 
@@ -71,7 +72,10 @@ def build_rollout_batch(
     messages), ``ground_truth``, ``initial_extra_env_info`` (a copy the rollout leaves
     alone, for re-scoring) and ``generation`` (0 .. n-1 within each prompt's group),
     each prompt repeated ``generations_per_prompt`` times in a row. ``stop_strings`` gives
-    each task's first-turn stop strings."""
+    each task's first-turn stop strings. (Imports torch: reading rows does not.)"""
+    from envloop.data.llm_message_utils import get_formatted_message_log
+    from envloop.distributed.batched_data_dict import BatchedDataDict
+
     logs = [
         get_formatted_message_log(s.messages, tokenizer, add_generation_prompt=True)
         for s in samples

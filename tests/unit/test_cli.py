@@ -12,12 +12,18 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from envloop.cli import _optional_import, main
+from envloop.cli_envs import ENVS_HEADER
 
 
 def test_help_and_usage_errors(capsys):
     assert main(["--help"]) == 0
-    assert "check-env" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "check-env" in out and "``" not in out
+    assert out.split("\n\n")[1] == "The envloop command."
+    assert out.rstrip().endswith("2 for a bad command line or config.")
     assert main([]) == 2
     assert main(["fly"]) == 2
     assert "invalid choice: 'fly'" in capsys.readouterr().err
@@ -26,9 +32,11 @@ def test_help_and_usage_errors(capsys):
 def test_envs_lists_config_fields_and_defaults(capsys):
     assert main(["envs"]) == 0
     out = capsys.readouterr().out
+    assert out.startswith(ENVS_HEADER + "\n\n")
     assert "math  (envloop.environments.math_environment:MathEnvironment)" in out
     assert "sliding_puzzle  (envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv)" in out
-    math = out.split("math  (")[1].split("\n\n")[0].splitlines()[1:]
+    header, *math = out.split("math  (")[1].split("\n\n")[0].splitlines()[1:]
+    assert header.split() == ["key", "type", "default", "description"]
     assert [line.split()[:3] for line in math] == [
         ["num_workers", "int", "2"],
         ["verify_timeout_s", "float", "10.0"],
@@ -40,6 +48,12 @@ def test_envs_lists_config_fields_and_defaults(capsys):
         ["math_verify_impl", "one", "of"],
     ]
     assert re.search(r'"correctness" +one reward, or correctness \+ format', math[3])
+    # the default is shown once, in its column; null (not None) throughout
+    assert math[0].endswith(
+        "  2                 worker processes checking answers with math-verify"
+    )
+    assert math[2].endswith("  null              stop strings for a next turn (null: EOS only)")
+    assert "None" not in out and "(default " not in out
     assert main(["envs", "mth"]) == 1
     assert "Did you mean 'math'?" in capsys.readouterr().out
 
@@ -76,7 +90,7 @@ def test_check_env_with_samples_from_a_file(tmp_path, capsys):
     target = "envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv"
     assert main(["check-env", target, "--sample-jsonl", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "OK: SlidingPuzzleEnv keeps the environment contract on 1 samples"
+    assert out[0] == "OK: SlidingPuzzleEnv keeps the environment contract on 1 sample"
     assert out[1].startswith("  sample 0: reward 1; user: ") and "Solved in 1 move!" in out[1]
 
 
@@ -127,3 +141,89 @@ def test_report_and_reverify_say_when_their_modules_are_missing(monkeypatch, tmp
     assert "envloop.reverify is not available" in capsys.readouterr().err
     assert _optional_import("json", "dumps") is json.dumps
     assert _optional_import("tests.fixtures.no_such_module_here", "x") is None
+
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "demo.yaml")
+PROBE = (
+    "import sys; from envloop.cli import main; status = main(['run', *sys.argv[1:]]); "
+    "print(status, *[m for m in ('torch', 'transformers', 'ray') if m in sys.modules])"
+)
+HUB_RULES = (
+    "hub id (org/name or name: letters, digits, '-', '_' and '.', not starting or ending with "
+    "'-' or '.', no '--' or '..')"
+)
+MODEL_FIX = "an existing model folder, a hub id or bundled:<name> (policy, reward_model)."
+
+
+def run_demo(*overrides, env=None):
+    """``envloop run examples/demo.yaml OVERRIDES`` in a fresh interpreter: its exit status
+    and the heavy modules it had imported when it returned, and its stderr."""
+    child = subprocess.run(
+        [sys.executable, "-c", PROBE, DEMO, *overrides],
+        capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=600,
+    )  # fmt: skip
+    return child.stdout.split(), child.stderr
+
+
+def no_folder(key, value):
+    return (
+        f"envloop run: invalid run config: {key}: no such folder: {value!r} (read as a local "
+        f"path; hub ids look like org/name, e.g. Qwen/Qwen3-0.6B). Set {key} to {MODEL_FIX}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.max_turns=x", "rollout.max_turns: expected int, got 'x'\n"),
+        ("policy.model=/nonexistent", None),
+        ("policy.tokenizer=./no/such/tokenizer", None),
+        ("envs.reward_model.config.model_name=~/nonexistent", None),
+        (
+            "policy.model=bad..name",
+            f"policy.model: 'bad..name' is neither an existing folder nor a valid {HUB_RULES}. "
+            f"Set policy.model to {MODEL_FIX}\n",
+        ),
+        (
+            "envs.reward_model.config.checkpoint_path=/nonexistent.safetensors",
+            "envs.reward_model.config.checkpoint_path: no such file: '/nonexistent.safetensors'. "
+            "Set envs.reward_model.config.checkpoint_path to an existing state-dict file "
+            "(.safetensors or a torch checkpoint), or null.\n",
+        ),
+        (
+            "data.path=no_such_prompts.jsonl",
+            "data.path: no such file or folder: 'no_such_prompts.jsonl' (relative paths are "
+            "looked up in the current directory, then next to the config file). Set data.path "
+            "to a .jsonl or .parquet file, a folder saved with save_to_disk, or a hub dataset "
+            "id (org/name).\n",
+        ),
+    ],
+)
+def test_run_config_errors_are_one_line_before_torch(override, message):
+    key, _, value = override.partition("=")
+    expected = (
+        no_folder(key, value) if message is None else f"envloop run: invalid run config: {message}"
+    )
+    status_and_modules, err = run_demo(override)
+    assert (status_and_modules, err) == (["2"], expected)  # nothing heavy imported
+
+
+def test_prompts_longer_than_max_seq_len_fail_before_ray():
+    status_and_modules, err = run_demo("rollout.max_seq_len=120")
+    assert err == (
+        "envloop run: invalid run config: rollout.max_seq_len: 120 is smaller than 3 prompts "
+        "(row 13: 126 tokens, row 15: 124 tokens, row 17: 126 tokens); set "
+        "rollout.max_seq_len to at least 126 "
+        "plus room for the responses, or shorten those prompts\n"
+    )
+    assert status_and_modules == ["2", "torch", "transformers"]  # no ray
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_one_line_before_ray():
+    status_and_modules, err = run_demo("policy.model=org/never-cached", env={"HF_HUB_OFFLINE": "1"})
+    assert err.startswith(
+        "envloop run: error: policy.model: Tokenizer 'org/never-cached' could not be loaded from "
+        "the hub (or its local cache): "
+    )
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert status_and_modules == ["1", "torch", "transformers"]  # no ray

@@ -89,16 +89,15 @@ def test_apply_overrides_reports_malformed_items():
 
 
 def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
+    environments = ["envs.math.config.num_workrs=2", "envs.math.config.num_workers=two",
+                    "envs.puzzle.name=slidng_puzzle", "envs.rm.name=reward_model",
+                    "envs.rm.config.resources.num_cpu=1"]  # fmt: skip
     problems = problems_of(
         config_file,
         ["policy.tempreature=2", "rollout.max_turns=four", "rollout.batch_size=0",
          "data.columns.prompt=7", "rollout.mode=async", "policy.device=gpu",
-         "envs.math.config.num_workrs=2", "envs.math.config.num_workers=two",
-         "envs.puzzle.name=slidng_puzzle", "envs.rm.name=reward_model",
-         "envs.rm.config.resources.num_cpu=1", "policy.model=bundled:nothing"],
+         "policy.model=bundled:nothing", *environments],
     )  # fmt: skip
-    # Other tests register environments too: the list of known names varies.
-    problems = [re.sub(r"Known: .*?\. Did", "Known: <registered names>. Did", p) for p in problems]
     assert problems == [
         "policy.tempreature: unknown option. Did you mean 'temperature'?",
         "policy.device: expected one of cpu, cuda, auto, got 'gpu'",
@@ -106,13 +105,18 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
         "rollout.max_turns: expected int, got 'four'",
         "rollout.batch_size: 0 must be >= 1",
         "rollout.mode: 'async' is not available yet; use sync",
+        "policy.model: No bundled model 'nothing'; the bundled models are policy, reward_model "
+        "(write e.g. 'bundled:policy').",
+    ]  # environment configs are checked once the rest is valid (they import torch)
+    problems = problems_of(config_file, environments)
+    # Other tests register environments too: the list of known names varies.
+    problems = [re.sub(r"Known: .*?\. Did", "Known: <registered names>. Did", p) for p in problems]
+    assert problems == [
         "envs.math.config.num_workrs: unknown option. Did you mean 'num_workers'?",
         "envs.math.config.num_workers: expected int, got str ('two')",
         "envs.puzzle.name: No environment named 'slidng_puzzle'. Known: <registered names>. "
         "Did you mean 'sliding_puzzle'?",
         "envs.rm.config.resources.num_cpu: unknown option. Did you mean 'num_cpus'?",
-        "policy.model: No bundled model 'nothing'; the bundled models are policy, reward_model "
-        "(write e.g. 'bundled:policy').",
     ]
 
 
@@ -123,7 +127,9 @@ def test_missing_sections_and_files(tmp_path):
     problems = problems_of(path, text="data: {path: nowhere.jsonl}\nenvs: {}\n")
     assert problems == [
         "envs: name at least one task, e.g. envs: {math: {name: math}}",
-        "data.path: no such file or folder: nowhere.jsonl",
+        "data.path: no such file or folder: 'nowhere.jsonl' (relative paths are looked up in "
+        "the current directory, then next to the config file). Set data.path to a .jsonl or "
+        ".parquet file, a folder saved with save_to_disk, or a hub dataset id (org/name).",
     ]
     assert problems_of(path, text="data: [unclosed\n")[0].startswith(f"{path}: not valid YAML")
     assert problems_of(path, text="- a list\n") == [

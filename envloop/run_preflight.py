@@ -1,0 +1,91 @@
+"""What ``envloop run`` checks before it starts Ray: the prompts load, the policy's tokenizer
+loads, and every prompt fits ``rollout.max_seq_len``.
+
+It imports transformers (for the tokenizer) but not Ray, the policy model or the rollout
+engine, so a run that cannot work fails in seconds; :func:`envloop.run.run` takes the
+result as its ``inputs``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from envloop.config_errors import ConfigError
+from envloop.data.datasets import PromptSample, build_rollout_batch, load_prompt_samples
+from envloop.run_config import RunConfig
+from envloop.run_config_sections import PolicyConfig
+
+MAX_SHOWN = 5
+
+
+@dataclass
+class RunInputs:
+    """The checked inputs of a run."""
+
+    samples: list[PromptSample]  # the dataset rows selected
+    tokenizer: Any  # the policy's tokenizer, as the policy loads it
+    batch: Any  # BatchedDataDict: the rollout input, one row per sample (prompt x generation)
+    seconds: float  # how long loading and tokenizing took
+
+
+def prepare_inputs(config: RunConfig) -> RunInputs:
+    """The prompts of ``config`` loaded and tokenized, checked against the config. Raises
+    :class:`ConfigError` naming the key to change (``data.*``, ``policy.model`` /
+    ``policy.tokenizer``, ``rollout.max_seq_len``)."""
+    started = time.perf_counter()
+    tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
+    samples = load_prompt_samples(config.data, tasks)
+    tokenizer = load_policy_tokenizer(config.policy)
+    stops = {task: env.stop_strings for task, env in config.envs.items()}
+    gens = config.rollout.generations_per_prompt
+    batch = build_rollout_batch(samples, tokenizer, gens, stops)
+    problem = prompt_length_problem(batch["length"], batch["idx"], config.rollout.max_seq_len)
+    if problem:
+        raise ConfigError("run config", [problem])
+    return RunInputs(samples, tokenizer, batch, time.perf_counter() - started)
+
+
+def load_policy_tokenizer(policy: PolicyConfig) -> Any:
+    """The tokenizer ``policy.tokenizer`` (or else ``policy.model``) names. Raises OSError
+    starting with that key when it cannot be loaded (e.g. a hub id without network access)."""
+    from envloop.models.tokenizers import get_tokenizer
+
+    key, name = (
+        ("policy.tokenizer", policy.tokenizer)
+        if policy.tokenizer
+        else ("policy.model", policy.model)
+    )
+    try:
+        return get_tokenizer({"name": name})
+    except (OSError, ValueError) as exc:
+        raise OSError(f"{key}: {_one_line(str(exc))}") from exc
+
+
+def prompt_length_problem(lengths: list[int], rows: list[int], max_seq_len: int) -> str | None:
+    """The problem when some prompts (``lengths`` in tokens, of dataset rows ``rows``) are
+    longer than ``max_seq_len``, or None.
+
+    >>> print(prompt_length_problem([7, 30, 30, 12], [0, 1, 1, 2], 10))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    rollout.max_seq_len: 10 is smaller than 2 prompts (row 1: 30 tokens, row 2: 12 tokens);
+    set rollout.max_seq_len to at least 30 plus room for the responses, or shorten those prompts
+    >>> prompt_length_problem([7], [0], 10) is None
+    True
+    """
+    longest = dict(sorted({r: n for r, n in zip(rows, lengths) if n > max_seq_len}.items()))
+    if not longest:
+        return None
+    shown = ", ".join(f"row {r}: {n} tokens" for r, n in list(longest.items())[:MAX_SHOWN])
+    more = f", ... {len(longest) - MAX_SHOWN} more" if len(longest) > MAX_SHOWN else ""
+    noun = "prompt" if len(longest) == 1 else "prompts"
+    return (
+        f"rollout.max_seq_len: {max_seq_len} is smaller than {len(longest)} {noun} "
+        f"({shown}{more}); set rollout.max_seq_len to at least {max(longest.values())} plus "
+        "room for the responses, or shorten those prompts"
+    )
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
