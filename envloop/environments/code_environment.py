@@ -47,7 +47,7 @@ class CodeEnvConfig(TypedDict, total=False):
     """Options of :class:`CodeEnvironment`; every key is optional (defaults in brackets)."""
 
     num_workers: int  # sandboxes running at once, each its own process [4]
-    timeout_s: float  # wall-clock limit of one run's code (not its start-up), replays included [10.0]
+    timeout_s: float  # wall-clock limit of a run's code (not start-up), replays included [10.0]
     cpu_time_s: int  # CPU seconds of one run [10]
     memory_mb: int  # address-space limit of the sandbox process [1024]
     max_output_bytes: int  # output kept per turn; more stops the run [16384]

@@ -33,6 +33,9 @@ off a process's main thread (thread pools, threaded or async Ray actors). :class
 runs every check on the main thread of a worker process of a
 :class:`~envloop.environments.process_pool.HardTimeoutPool`:
 
+- each worker warms up before taking checks (:func:`warm_up`: math-verify's LaTeX parser
+  and sympy's first simplifications cost about a second), so a sample's time limit covers
+  only its own check;
 - each check is interrupted after ``timeout_s`` by ``SIGALRM`` inside its worker, which then
   goes straight on (restarting a worker costs seconds; a pathological answer such as
   ``\\boxed{9^{9^{9^{9}}}}`` is stopped this way);
@@ -153,7 +156,7 @@ class MathVerifier:
 
     def __init__(self, num_workers: int = 2, timeout_s: float = 10.0) -> None:
         self.timeout_s = float(timeout_s)
-        self.pool = HardTimeoutPool(verify_within, num_workers, 2 * self.timeout_s)
+        self.pool = HardTimeoutPool(verify_within, num_workers, 2 * self.timeout_s, warm_up)
 
     def grade(self, pairs: Sequence[tuple[str, str]]) -> list[Outcome]:
         """One :class:`Outcome` per ``(ground_truth, response)``, in order; values are
@@ -180,6 +183,24 @@ def timed_out(error: str | None) -> bool:
     (False, False)
     """
     return error is not None and "timed out after" in error
+
+
+_WARM_UP_PAIRS = (
+    ("1/2", r"\boxed{\frac{2}{4}}"),
+    (r"\frac{\sqrt{3}}{2}", r"\boxed{\sin(\pi/3)}"),
+    ("[1, 2)", r"\boxed{[1,2)}"),
+    ("x^2+2x+1", r"\boxed{(x+1)^2}"),
+    ("Eq(x**2, 1)", r"\boxed{x^2 = 1}"),
+    ("3", "The answer is 3"),
+)
+
+
+def warm_up() -> None:
+    """Runs once in each worker at start: pays math-verify's and sympy's one-time costs
+    (the LaTeX parser's tables, lazy imports, first simplifications) with a few checks of
+    each kind, outside any sample's time limit."""
+    for pair in _WARM_UP_PAIRS:
+        grade_math(pair)
 
 
 def verify_within(task: tuple[tuple[str, str], float]) -> MathGrade:

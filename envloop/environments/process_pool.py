@@ -34,7 +34,9 @@ class HardTimeoutPool:
     """``num_workers`` processes that each run ``fn(item)`` one item at a time.
 
     ``fn`` must be importable (a module-level function): workers start with the ``spawn``
-    method, which is safe inside multithreaded processes such as Ray actors.
+    method, which is safe inside multithreaded processes such as Ray actors. ``warm_up``
+    (importable too) runs once in each worker before it takes items, so that one-time costs
+    (lazy imports, parser tables, caches) are paid at start-up, never inside an item's time.
 
     >>> pool = HardTimeoutPool(abs, num_workers=1, timeout_s=10)
     >>> [o.value for o in pool.map([-1, 2])]
@@ -42,13 +44,19 @@ class HardTimeoutPool:
     >>> pool.close()
     """
 
-    def __init__(self, fn: Callable[[Any], Any], num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        num_workers: int,
+        timeout_s: float,
+        warm_up: Callable[[], Any] | None = None,
+    ) -> None:
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(
                 f"HardTimeoutPool needs num_workers >= 1 and timeout_s > 0, got "
                 f"{num_workers} and {timeout_s}."
             )
-        self.fn = fn
+        self.fn, self.warm_up = fn, warm_up
         self.timeout_s = timeout_s
         self._context = mp.get_context("spawn")
         self._workers = self._start_many(num_workers)
@@ -87,7 +95,10 @@ class HardTimeoutPool:
             outcomes[index] = self._receive(slot)
         now = time.monotonic()
         for slot, (index, deadline) in list(busy.items()):
-            if now >= deadline:
+            if now >= deadline and self._workers[slot].conn.poll(0):
+                busy.pop(slot)  # its answer is here (this process looked late): keep it
+                outcomes[index] = self._receive(slot)
+            elif now >= deadline:
                 busy.pop(slot)
                 outcomes[index] = Outcome(error=f"timed out after {self.timeout_s} s")
                 self._replace(slot)
@@ -121,7 +132,8 @@ class HardTimeoutPool:
         started = []
         for _ in range(n):
             parent, child = self._context.Pipe()
-            process = self._context.Process(target=_serve, args=(child, self.fn), daemon=True)
+            args = (child, self.fn, self.warm_up)
+            process = self._context.Process(target=_serve, args=args, daemon=True)
             process.start()
             child.close()
             started.append(_Worker(process, parent))
@@ -149,8 +161,11 @@ class _Worker:
         self.conn.close()
 
 
-def _serve(conn: Connection, fn: Callable[[Any], Any]) -> None:
-    """A worker's loop: receive an item, send back ``(True, fn(item))`` or ``(False, error)``."""
+def _serve(conn: Connection, fn: Callable[[Any], Any], warm_up: Callable[[], Any] | None) -> None:
+    """A worker's loop, after ``warm_up()``: receive an item, send back ``(True, fn(item))``
+    or ``(False, error)``."""
+    if warm_up is not None:
+        warm_up()
     conn.send(_READY)
     while True:
         try:

@@ -30,7 +30,12 @@ from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import make_batch
 
-TIMEOUT_S = 1.0
+# Checks that must finish get a generous limit (after the workers' warm-up a check takes
+# milliseconds, but a loaded machine can stall a process for seconds); the tests that expect
+# a timeout use SHORT_TIMEOUT_S with an answer no limit can fit (PATHOLOGICAL) or a stopped
+# worker, next to one-digit answers.
+TIMEOUT_S = 30.0
+SHORT_TIMEOUT_S = 2.0
 PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"
 CORRECT = "Environment: correct"
 INCORRECT = "Environment: incorrect"
@@ -68,6 +73,13 @@ def truths(*values):
 @pytest.fixture(scope="module")
 def env():
     env = MathEnvironment({"verify_timeout_s": TIMEOUT_S})
+    yield env
+    env.shutdown()
+
+
+@pytest.fixture(scope="module")
+def short_env():
+    env = MathEnvironment({"verify_timeout_s": SHORT_TIMEOUT_S})
     yield env
     env.shutdown()
 
@@ -124,25 +136,25 @@ def test_unscorable_samples_get_zero_and_say_why_in_metadata_only(env):
     assert ret.answers == [None] * 6
 
 
-def test_pathological_answer_times_out_alone(env):
-    before = env.pool.replaced
-    responses = [rf"\boxed{{{i if i % 3 else i + 1}}}" for i in range(24)]
+def test_pathological_answer_times_out_alone(short_env):
+    before = short_env.pool.replaced
+    responses = [rf"\boxed{{{i if i % 3 else i + 1}}}" for i in range(24)]  # 1 ms checks
     expected = [float(math_equivalent((str(i), r))) for i, r in enumerate(responses)]
     responses[5], expected[5] = PATHOLOGICAL, 0.0
-    ret = env.step(logs(*responses), truths(*range(24)))
+    ret = short_env.step(logs(*responses), truths(*range(24)))
     assert ret.rewards.tolist() == expected
     assert sum(expected) == 15.0
     assert ret.observations[5]["content"] == INCORRECT
-    error = f"TimeoutError: timed out after {TIMEOUT_S} s"
+    error = f"TimeoutError: timed out after {SHORT_TIMEOUT_S} s"
     assert ret.metadata[5] == {"ground_truth": 5, "verification_error": error}
     assert ret.metadata[:5] + ret.metadata[6:] == truths(*range(5), *range(6, 24))
     assert ret.answers[5] is None and ret.answers[4] == "4"
     # The check was interrupted inside its worker, which goes on: nothing was replaced.
-    assert env.pool.replaced == before
+    assert short_env.pool.replaced == before
     batch = BatchedDataDict(
         message_log=logs(*responses), total_reward=ret.rewards, extra_env_info=ret.metadata
     )
-    _, metrics = env.global_post_process_and_metrics(batch)
+    _, metrics = short_env.global_post_process_and_metrics(batch)
     assert (metrics["math_env/timeouts"], metrics["math_env/verification_errors"]) == (1, 1)
 
 
@@ -168,15 +180,18 @@ def test_a_crashed_worker_is_replaced(env):
     assert env.pool.replaced == before + 1
 
 
-def test_a_stuck_worker_is_killed_and_only_its_sample_fails(env):
-    before = env.pool.replaced
-    os.kill(env.pool._workers[0].process.pid, signal.SIGSTOP)  # deaf even to the alarm
-    ret = env.step(*_eight_samples())  # sample 0 goes to the stopped worker
+def test_a_stuck_worker_is_killed_and_only_its_sample_fails(short_env):
+    before = short_env.pool.replaced
+    os.kill(short_env.pool._workers[0].process.pid, signal.SIGSTOP)  # deaf even to the alarm
+    ret = short_env.step(*_eight_samples())  # sample 0 goes to the stopped worker
     assert ret.rewards.tolist() == [0.0] + [1.0] * 7
     assert ret.observations[0]["content"] == INCORRECT
-    assert ret.metadata[0] == {"ground_truth": 0, "verification_error": "timed out after 2.0 s"}
-    assert env.pool.replaced == before + 1
-    assert env.step(*_eight_samples()).rewards.tolist() == [1.0] * 8
+    assert ret.metadata[0] == {
+        "ground_truth": 0,
+        "verification_error": f"timed out after {2 * SHORT_TIMEOUT_S} s",
+    }
+    assert short_env.pool.replaced == before + 1
+    assert short_env.step(*_eight_samples()).rewards.tolist() == [1.0] * 8
 
 
 def test_multi_reward_components_are_exact(multi_env):

@@ -21,6 +21,7 @@ from envloop.environments.math_verification import (
     gold_text,
     normalize_answer,
     timed_out,
+    warm_up,
 )
 from envloop.environments.reward_functions import close_math_verifiers, math_expr
 
@@ -234,13 +235,22 @@ def test_grade_reports_what_was_read_from_each_side(verifier):
     ]
 
 
+def test_workers_warm_up_before_their_first_check(verifier):
+    # the LaTeX parser's loading and sympy's first simplifications (about a second) are
+    # paid at worker start, never inside the first sample's time limit
+    assert verifier.pool.warm_up is warm_up
+    assert [w.process.is_alive() for w in verifier.pool._workers] == [True, True]
+
+
 def test_a_pathological_answer_times_out_with_a_timeout_error():
-    verifier = MathVerifier(num_workers=1, timeout_s=1.0)
+    # a short limit only where a timeout is the expected outcome: no limit fits this answer,
+    # and the warmed-up worker checks "\boxed{1}" in about a millisecond
+    verifier = MathVerifier(num_workers=1, timeout_s=2.0)
     try:
         slow, fast = verifier.check([("1", r"\boxed{9^{9^{9^{9}}}}"), ("1", r"\boxed{1}")])
     finally:
         verifier.close()
-    assert slow.value is None and slow.error == "TimeoutError: timed out after 1.0 s"
+    assert slow.value is None and slow.error == "TimeoutError: timed out after 2.0 s"
     assert timed_out(slow.error)
     assert (fast.value, fast.error) == (True, None)
 
