@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parse_args(parser, argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return int(exc.code or 0)
     if os.getcwd() not in sys.path:
@@ -41,6 +41,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ImportError, RuntimeError, ValueError) as exc:
         print(f"envloop {args.command}: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``argv`` parsed; ``run``'s ``key=value`` overrides may also follow its options
+    (``envloop run c.yaml -q rollout.max_turns=2``)."""
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "command", None) == "run":
+        args.overrides += [item for item in extra if "=" in item and not item.startswith("-")]
+        extra = [item for item in extra if item not in args.overrides]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def config_error_text(exc: ConfigError) -> str:

@@ -33,6 +33,10 @@ def list_command(args: argparse.Namespace) -> int:
     from envloop.environments.registry import get_env_class, list_envs, unknown_name_message
 
     names = args.names or list_envs()
+    unknown = [name for name in names if name not in list_envs()]
+    if unknown:
+        print(unknown_name_message("environment", unknown[0], list_envs()))
+        return 1
     print(ENVS_HEADER + "\n")
     for name in names:
         try:

@@ -227,3 +227,12 @@ def test_a_hub_id_that_cannot_be_loaded_is_one_line_before_ray():
     )
     assert err.count("\n") == 1 and "Traceback" not in err
     assert status_and_modules == ["1", "torch", "transformers"]  # no ray
+
+
+def test_run_overrides_may_follow_its_options(capsys):
+    assert main(["run", DEMO, "--quiet", "rollout.max_turns=x"]) == 2
+    assert capsys.readouterr().err == (
+        "envloop run: invalid run config: rollout.max_turns: expected int, got 'x'\n"
+    )
+    assert main(["run", DEMO, "--quiet", "--bogus"]) == 2
+    assert capsys.readouterr().err.endswith("envloop: error: unrecognized arguments: --bogus\n")
