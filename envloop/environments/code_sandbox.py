@@ -75,7 +75,7 @@ _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_sandbox_
 _COMMAND = [sys.executable, "-S", "-s", "-B", "-P", _CHILD]
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 _STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_bytes
-_READY = b'{"protections"'  # the child's first status line: isolated, about to run the code
+_READY = b'{"protections"'  # the child's status line once isolated, about to run the code
 _START_LIMIT_S = 120.0  # wall-clock limit of the start-up (interpreter, isolation), not the code
 
 
@@ -238,11 +238,22 @@ def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[
                     selector.unregister(key.fd)
                 elif len(data[key.fd]) > caps[key.fd]:
                     return bytes(data[out]), bytes(data[err]), "output"
-            if not ready and data[err].startswith(_READY) and b"\n" in data[err]:
+            if not ready and _has_line_starting(data[err], _READY):
                 ready, deadline = True, time.monotonic() + limits.timeout_s
             if not _running(proc):
                 _kill_group(proc)  # children it left behind would hold the pipes open
     return bytes(data[out]), bytes(data[err]), ""
+
+
+def _has_line_starting(data: bytearray, prefix: bytes) -> bool:
+    """Whether a complete line of ``data`` starts with ``prefix``.
+
+    >>> _has_line_starting(bytearray(b'warning\\n{"protections": []}\\n'), b'{"protections"')
+    True
+    >>> _has_line_starting(bytearray(b'{"protections": ['), b'{"protections"')
+    False
+    """
+    return any(line.startswith(prefix) for line in data.split(b"\n")[:-1])
 
 
 def _running(proc: subprocess.Popen[bytes]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -23,7 +24,6 @@ from tests.fixtures.envs import (
     EchoEnv,
     FailingEnv,
     GuessNumberEnv,
-    SlowEnv,
 )
 
 ENVS = {"calc": CalculatorEnv(), "guess": GuessNumberEnv()}
@@ -296,14 +296,30 @@ def test_failing_environment_raise_mode(tiny_tokenizer, policy):
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+class BlockedEnv(EchoEnv):
+    """Its step waits until the test releases it: no timeout can see it finish."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def step(self, message_log_batch, metadata, *args, **kwargs):
+        self.release.wait()
+        return super().step(message_log_batch, metadata)
+
+
 def test_slow_environment_times_out_as_data(tiny_tokenizer, policy):
+    # a step that cannot finish, and a timeout generous for the quick one on a loaded machine
     samples = [guess_sample(50), {"task": "slow", "prompt": "x"}]
-    envs = {"guess": GuessNumberEnv(), "slow": SlowEnv(delay_s=3.0)}
-    final, metrics = run_multi_turn_rollout(
-        policy, make_batch(tiny_tokenizer, samples), tiny_tokenizer, envs, 512,
-        env_step_timeout_s=0.2,
-    )  # fmt: skip
-    assert final["env_error"] == [None, "env slow.step timed out after 0.2 s"]
+    blocked = BlockedEnv()
+    envs = {"guess": GuessNumberEnv(), "slow": blocked}
+    try:
+        final, metrics = run_multi_turn_rollout(
+            policy, make_batch(tiny_tokenizer, samples), tiny_tokenizer, envs, 512,
+            env_step_timeout_s=5.0,
+        )  # fmt: skip
+    finally:
+        blocked.release.set()
+    assert final["env_error"] == [None, "env slow.step timed out after 5.0 s"]
     assert final["total_reward"].tolist() == [1.0, 0.0]
     assert metrics["env_error_rate"] == 0.5
 
