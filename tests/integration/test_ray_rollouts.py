@@ -77,25 +77,43 @@ def test_failing_actor_fails_only_its_samples(ray_session, tiny_tokenizer):
 
 def test_slow_actor_times_out(ray_session, tiny_tokenizer):
     envs = {
-        "calc": create_env("test_slow", 3.0, num_cpus=0),
+        "calc": create_env("test_slow", 600.0, num_cpus=0),  # no timeout sees it finish
         "guess": create_env("test_guess", num_cpus=0),
-    }
-    final, _ = _run(tiny_tokenizer, envs, env_step_timeout_s=0.5)
-    assert final["env_error"][1] == "env calc.step timed out after 0.5 s"
+    }  # a timeout generous for the quick actor's steps on a loaded machine
+    final, _ = _run(tiny_tokenizer, envs, env_step_timeout_s=5.0)
+    assert final["env_error"][1] == "env calc.step timed out after 5.0 s"
     assert final["total_reward"][0].item() == 1.0
 
 
 def test_actor_start_up_is_timed_apart_from_its_steps(ray_session, tiny_tokenizer):
     policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
     batch = make_batch(tiny_tokenizer, [guess_sample(37), guess_sample(50)])
-    env = create_env("test_slow_start", 3.0, num_cpus=0)  # its constructor sleeps 3 s
+    # margins for a loaded machine: start-up (10 s) twice the step timeout (5 s), which is
+    # generous for three quick steps
+    env = create_env("test_slow_start", 10.0, num_cpus=0)  # its constructor sleeps 10 s
     final, metrics = run_multi_turn_rollout(
-        policy, batch, tiny_tokenizer, {"guess": env}, 512, env_step_timeout_s=1.0
+        policy, batch, tiny_tokenizer, {"guess": env}, 512, env_step_timeout_s=5.0
     )
     assert final["env_error"] == [None, None]  # start-up never counts against the timeout
     assert final["num_turns"].tolist() == [3, 1]
-    assert metrics["timing/env_startup_s"] >= 2.0  # most of the 3 s sleep, waited on once
-    assert metrics["timing/env_step_s"] < 1.0  # three quick steps, no start-up in them
+    assert metrics["timing/env_startup_s"] >= 5.0  # most of the 10 s sleep, waited on once
+    assert metrics["timing/env_step_s"] < 5.0  # three quick steps, no start-up in them
+
+
+@pytest.mark.slow
+def test_reward_model_actor_uses_one_torch_thread_per_reserved_cpu(ray_session, tmp_path):
+    from tests.fixtures.tiny_reward_model import save_tiny_reward_model
+
+    folder = save_tiny_reward_model(tmp_path / "rm")
+    config = {"model_name": str(folder), "precision": "float32", "resources": {"num_cpus": 2}}
+    env = create_env("reward_model", config)  # 2 CPUs: Ray's OMP default would be 2 as well
+    lean = create_env("reward_model", {**config, "resources": {"num_cpus": 0}})
+    try:
+        threads = [e.__ray_call__.remote(lambda _: torch.get_num_threads()) for e in (env, lean)]
+        assert ray_session.get(threads, timeout=300) == [2, 1]
+    finally:
+        for actor in (env, lean):
+            ray_session.kill(actor)
 
 
 def test_dead_actor_is_restarted_and_the_step_retried(ray_session, tiny_tokenizer, tmp_path):
