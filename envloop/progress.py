@@ -1,9 +1,12 @@
-"""Progress of ``envloop run`` on the terminal, updated after every turn and every batch.
+"""Progress of ``envloop run`` on the terminal, updated while generation runs, after every
+turn and after every batch.
 
-On a terminal: one live line (a bar of samples finished, turns done, generation tokens per
-second, running mean reward per task, elapsed time) redrawn in place after every turn. When
+On a terminal: one live line (a bar of samples finished, turns done, tokens generated,
+generation tokens per second, running mean reward per task, elapsed time) redrawn in place
+after every turn and, while the policy generates, at most every ``REDRAW_INTERVAL_S``. When
 the output is not a terminal, or with ``quiet``: the same facts as plain log lines, one per
-finished batch and at most one per ``log_interval_s`` in between, so logs are not flooded.
+finished batch (``progress: ...``) and at most one per ``log_interval_s`` in between
+(``progress (running): ...``), so logs are not flooded.
 
 >>> import io
 >>> out = io.StringIO()
@@ -11,7 +14,7 @@ finished batch and at most one per ``log_interval_s`` in between, so logs are no
 >>> progress.update([{"task": "math", "total_reward": 1.0, "num_turns": 2}] * 2,
 ...                 generated_tokens=300, generation_s=2.0)
 >>> progress.line(elapsed_s=1.5)
-'2/4 samples, 4 turns, 150 tokens/s, mean reward: math 1.000 (2), 1.5 s'
+'2/4 samples, 4 turns, 300 tokens, 150 tokens/s, mean reward: math 1.000 (2), 1.5 s'
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
 BAR_WIDTH = 24
 LOG_INTERVAL_S = 10.0
 """Least seconds between two plain progress lines within a batch."""
+REDRAW_INTERVAL_S = 0.5
+"""Least seconds between two redraws of the live line for generated tokens alone."""
 
 
 class Progress:
@@ -53,8 +58,9 @@ class Progress:
         self.generated_tokens = 0  # by finished batches
         self.generation_s = 0.0
         self.running: RolloutProgress | None = None  # the batch in flight, after its last turn
+        self.live_tokens = 0  # generated since the last turn ended (on_tokens)
         self.started = clock()
-        self._last_line = self.started
+        self._last_line = self._last_draw = self.started
 
     @property
     def finished(self) -> int:
@@ -70,7 +76,22 @@ class Progress:
         """The running batch finished a turn (a rollout's ``on_turn`` option): redraw; a log
         line only when ``log_interval_s`` has passed since the last one."""
         self.running = running
+        self.live_tokens = 0
         if self.live or self.clock() - self._last_line >= self.log_interval_s:
+            self._draw()
+
+    def on_tokens(self, count: int) -> None:
+        """The policy generated ``count`` more tokens (``HfGeneration.on_decode_step``):
+        redraw the live line at most every ``REDRAW_INTERVAL_S``, a log line at most every
+        ``log_interval_s``."""
+        self.live_tokens += count
+        now = self.clock()
+        since, interval = (
+            (now - self._last_draw, REDRAW_INTERVAL_S)
+            if self.live
+            else (now - self._last_line, self.log_interval_s)
+        )
+        if since >= interval:
             self._draw()
 
     def update(
@@ -85,6 +106,7 @@ class Progress:
         self.generated_tokens += generated_tokens
         self.generation_s += generation_s
         self.running = None
+        self.live_tokens = 0
         self._draw()
 
     def close(self) -> None:
@@ -100,7 +122,8 @@ class Progress:
         return "[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]"
 
     def line(self, elapsed_s: float) -> str:
-        """Samples finished, turns done, generated tokens per second of generation (``-``
+        """Samples finished, turns done, tokens generated (the current turn's so far
+        included), generated tokens per second of generation in finished turns (``-``
         before any), running mean reward per task (finished samples), elapsed time."""
         run = self.running
         done = self.finished + (run.samples_done if run else 0)
@@ -108,20 +131,27 @@ class Progress:
         tokens = self.generated_tokens + (run.generated_tokens if run else 0)
         seconds = self.generation_s + (run.generation_s if run else 0.0)
         rate = f"{tokens / seconds:.0f}" if seconds > 0 else "-"
+        tokens += self.live_tokens
         rewards = ", ".join(
             f"{task} {s.mean_reward:.3f} ({s.samples})" for task, s in self.stats.items()
         )
         return (
-            f"{done}/{self.total} samples, {turns} turns, {rate} tokens/s, "
+            f"{done}/{self.total} samples, {turns} turns, {tokens} tokens, {rate} tokens/s, "
             f"mean reward: {rewards or '-'}, {elapsed_s:.1f} s"
         )
+
+    @property
+    def _mid_batch(self) -> bool:
+        return self.running is not None or self.live_tokens > 0
 
     def _draw(self) -> None:
         now = self.clock()
         if self.live:
             self.stream.write(f"\r{self.bar()} {self.line(now - self.started)}\x1b[K")
+            self._last_draw = now
         else:
-            self.stream.write(f"progress: {self.line(now - self.started)}\n")
+            label = "progress (running)" if self._mid_batch else "progress"
+            self.stream.write(f"{label}: {self.line(now - self.started)}\n")
             self._last_line = now
         self.stream.flush()
 

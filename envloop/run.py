@@ -2,10 +2,10 @@
 
 The steps: load and tokenize the prompts, checked against ``rollout.max_seq_len``
 (:mod:`envloop.run_preflight`) -> start (or join) Ray -> start one environment actor per
-task -> load the policy meanwhile -> wait for the actors (each start-up
-phase timed into ``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples
-at a time (progress after each turn), appending to the rollout files -> each environment's
-``global_post_process_and_metrics`` -> ``metrics.json``.
+task -> load the policy meanwhile -> wait for the actors (each start-up phase timed into
+``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples at a time
+(progress while generating and after each turn), appending to the rollout files -> each
+environment's ``global_post_process_and_metrics`` -> ``metrics.json``.
 The command line then prints the summary table and builds ``report.html``.
 """
 
@@ -78,6 +78,7 @@ def run(
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
         progress = Progress(batch.size, out, quiet)
+        policy.on_decode_step = progress.on_tokens  # a live token count while it generates
         return _roll_out(config, policy, batch, envs, progress, started, startup)
     finally:
         stop_envs(envs)

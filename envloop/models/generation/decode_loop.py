@@ -7,7 +7,7 @@ that finish are dropped from the batch and from the cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +57,13 @@ def decode(
     stop_strings: Sequence[list[str] | None],
     settings: DecodeSettings,
     generator: torch.Generator | None,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[SampleResult]:
     """Generate for each 1-D prompt until EOS, one of its stop strings, or its budget.
 
-    A budget of 0 yields no tokens (and ``truncated=True``).
+    A budget of 0 yields no tokens (and ``truncated=True``). ``on_step``, when given, is
+    called after every step with the number of tokens it generated (one per unfinished
+    sample).
     """
     results = [SampleResult(truncated=budget == 0) for budget in budgets]
     active = [i for i, budget in enumerate(budgets) if budget > 0]
@@ -73,6 +76,8 @@ def decode(
         logprobs = sampling_logprobs(logits, settings.temperature, settings.top_k, settings.top_p)
         tokens, token_logprobs = choose_tokens(logprobs, settings.greedy, generator)
         _append(results, active, tokens, token_logprobs)
+        if on_step is not None:
+            on_step(len(active))
         finished = _finished(results, active, budgets, stop_strings, settings.eos_ids, tokenizer)
         keep = [k for k, done in enumerate(finished) if not done]
         if not keep:

@@ -9,6 +9,7 @@ of the model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,9 @@ class HfGeneration(GenerationInterface):
         config: the validated :class:`HfGenerationConfig`.
         tokenizer: the loaded tokenizer (also what the rollout engine tokenizes with).
         model: the loaded model; None when the work runs on Ray actors.
+        on_decode_step: None, or a function called after every decode step of in-process
+            generation with the number of tokens that step generated (e.g. a live token
+            count; worker actors do not report steps).
     """
 
     def __init__(self, config: HfGenerationConfig) -> None:
@@ -124,6 +128,7 @@ class HfGeneration(GenerationInterface):
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_name))
         self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
+        self.on_decode_step: Callable[[int], None] | None = None
         self._workers: list[Any] = []
         if config.num_workers > 1:
             self._workers = _start_workers(config)
@@ -190,6 +195,7 @@ class HfGeneration(GenerationInterface):
             stops,
             self._decode_settings(greedy),
             self.generator,
+            self.on_decode_step,
         )
         return build_output(input_ids, lengths, results, self.pad_id)
 

@@ -353,6 +353,18 @@ def test_tokenizer_without_pad_token_raises_with_the_fix(tiny_policy_dir, tmp_pa
         HfGeneration(config)
 
 
+def test_on_decode_step_counts_each_steps_tokens(greedy_gen):
+    steps: list[int] = []
+    greedy_gen.on_decode_step = steps.append
+    try:
+        out = greedy_gen.generate(make_batch(greedy_gen.tokenizer, PROMPTS), greedy=True)
+    finally:
+        greedy_gen.on_decode_step = None
+    lengths = out["generation_lengths"].tolist()
+    assert steps == [sum(n > k for n in lengths) for k in range(max(lengths))]
+    assert sum(steps) == sum(lengths)
+
+
 def test_cpu_generation_sets_this_process_torch_threads(tiny_policy_dir):
     before = torch.get_num_threads()
     try:
