@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from envloop.environments.dapo_answers import (
@@ -86,10 +84,13 @@ def test_grade_dapo(truth, response, expected):
     assert grade_dapo(truth, response) == expected
 
 
-def test_dapo_is_linear_time_on_adversarial_text():
-    texts = ["answer:" + "\n" * 500_000, "\\text{" * 100_000 + "}" * 100_000, "Answer" * 100_000]
-    start = time.perf_counter()
-    for text in texts:
-        grade_dapo("1", text)
-        normalize_final_answer(text)
-    assert time.perf_counter() - start < 10.0  # ~0.5 s; a quadratic pass takes hours
+def test_dapo_on_megabyte_adversarial_text():
+    """Half-megabyte texts that make a backtracking pass quadratic (hours); the single-pass
+    normalisation answers in well under a second. The result is asserted, not the time."""
+    newlines = "answer:" + "\n" * 500_000
+    braces = "\\text{" * 100_000 + "}" * 100_000
+    words = "Answer" * 100_000
+    assert [grade_dapo("1", t) for t in (newlines, braces, words)] == [(False, None)] * 3
+    assert normalize_final_answer(newlines) == "answer:"
+    assert normalize_final_answer(braces) == ""
+    assert normalize_final_answer(words) == words

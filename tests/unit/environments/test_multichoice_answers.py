@@ -3,8 +3,6 @@ other languages, markdown/LaTeX wrappers, full-width forms, thinking, and linear
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from envloop.environments.multichoice_answers import choice_key, extract_choice, grade_choice
@@ -79,10 +77,10 @@ def test_ground_truth_keys_and_grades():
     assert grade_choice("B", "答案：Ｂ") == (False, None)
 
 
-def test_extraction_is_linear_time_on_adversarial_text():
+def test_extraction_on_megabyte_adversarial_text():
+    """Half-megabyte texts that make a backtracking pattern quadratic (hours); the linear
+    extraction answers in well under a second. The result is asserted, not the time."""
     texts = ["Answer:" * 100_000, "Answer" + " " * 500_000, "答" * 500_000, "answer " * 100_000]
-    start = time.perf_counter()
     for text in texts:
         assert extract_choice(text, multilingual=True) is None
         assert extract_choice(text) is None
-    assert time.perf_counter() - start < 10.0  # ~0.5 s; a quadratic pattern takes hours
