@@ -136,7 +136,8 @@ class Progress:
             f"{task} {s.mean_reward:.3f} ({s.samples})" for task, s in self.stats.items()
         )
         return (
-            f"{done}/{self.total} samples, {turns} turns, {tokens} tokens, {rate} tokens/s, "
+            f"{done}/{self.total} samples, {turns} turn{'s' * (turns != 1)}, "
+            f"{tokens} token{'s' * (tokens != 1)}, {rate} tokens/s, "
             f"mean reward: {rewards or '-'}, {elapsed_s:.1f} s"
         )
 

@@ -104,7 +104,7 @@ def test_quiet_prints_log_lines_even_on_a_terminal():
     progress.update(finished("math", 1.0, 1))
     progress.close()
     assert out.getvalue().startswith(
-        "progress: 1/1 samples, 1 turns, 0 tokens, - tokens/s, mean reward: math 1.000 (1)"
+        "progress: 1/1 samples, 1 turn, 0 tokens, - tokens/s, mean reward: math 1.000 (1)"
     )
     assert "\r" not in out.getvalue()
 
