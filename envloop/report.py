@@ -63,8 +63,7 @@ def render_report(
         "title": escape(title),
         "subtitle": escape(
             f"{len(records)} sample{'s' * (len(records) != 1)} · "
-            f"{len(tasks)} task{'s' * (len(tasks) != 1)}"
-            + (f" · policy {model}" if model else "")
+            f"{len(tasks)} task{'s' * (len(tasks) != 1)}" + (f" · policy {model}" if model else "")
         ),
         "kpis": kpi_tiles(_kpis(records, metrics, len(tasks))),
         "task_table": _task_table(by_task, colors, config),
