@@ -77,6 +77,7 @@ _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 _STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_bytes
 _READY = b'{"protections"'  # the child's status line once isolated, about to run the code
 _START_LIMIT_S = 120.0  # wall-clock limit of the start-up (interpreter, isolation), not the code
+_EXIT_GRACE_S = 5.0  # after its pipes close, how long an exiting process may take to be reapable
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,12 @@ def run_cells(
             _COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=_ENV, cwd=workdir, start_new_session=True,
         )  # fmt: skip
+        cut = "error"  # what stopped the reading, when an exception ends it early
         try:
             _send(proc, json.dumps(request).encode())
             out, status, cut = _read_output(proc, limits)
         finally:
-            ending = _end(proc)
+            ending = _end(proc, cut)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return _result(out, status, cut, ending, request)
@@ -261,15 +263,30 @@ def _running(proc: subprocess.Popen[bytes]) -> bool:
     return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
 
 
+def _running_after(proc: subprocess.Popen[bytes], grace_s: float) -> bool:
+    """Whether the sandbox process is still running ``grace_s`` from now (checked often)."""
+    deadline = time.monotonic() + grace_s
+    while _running(proc):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the child's process group (one ``kill`` reaches forks in flight too)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _end(proc: subprocess.Popen[bytes]) -> _Ending:
-    """Kill the process group, reap the sandbox process, and say how it ended."""
-    running = _running(proc)
+def _end(proc: subprocess.Popen[bytes], cut: str) -> _Ending:
+    """Kill the process group, reap the sandbox process, and say how it ended.
+
+    When reading ended because the pipes closed (no ``cut``), the process is normally
+    exiting: the kernel closes a dying process's files before it becomes reapable, so it is
+    given :data:`_EXIT_GRACE_S` to get there before it counts as killed by the parent (code
+    that closes its pipes and runs on is still killed, and counted so)."""
+    running = _running(proc) if cut else _running_after(proc, _EXIT_GRACE_S)
     _kill_group(proc)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)

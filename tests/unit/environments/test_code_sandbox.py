@@ -4,7 +4,6 @@ process is unaffected. Real processes throughout; short limits keep the file fas
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
 import resource
@@ -49,9 +48,9 @@ def host(monkeypatch):
     groups: set[int] = set()
     end = code_sandbox._end
 
-    def recording_end(proc):
+    def recording_end(proc, cut):
         groups.add(proc.pid)  # the sandbox's process group id
-        return end(proc)
+        return end(proc, cut)
 
     monkeypatch.setattr(code_sandbox, "_end", recording_end)
     yield
@@ -62,6 +61,22 @@ def host(monkeypatch):
     assert [resource.getrlimit(kind) for kind in HOST_LIMITS] == limits
     probe = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
     assert probe.stdout == "42\n"
+
+
+@pytest.fixture
+def private_user():
+    """A system user made for this test alone (removed afterwards): per-user limits such as
+    RLIMIT_NPROC then count only this test's processes."""
+    name = f"envloop-t{os.getpid()}"
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], check=True, capture_output=True)
 
 
 def run(code: str, **limits) -> RunResult:
@@ -174,7 +189,7 @@ def test_fork_and_subprocess_are_blocked_by_default(host):
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="RLIMIT_NPROC of a dedicated user needs root")
-def test_fork_bomb_hits_the_process_limit(host):
+def test_fork_bomb_hits_the_process_limit(host, private_user):
     bomb = (
         "import os, time\n"
         "n = 0\n"
@@ -186,9 +201,9 @@ def test_fork_bomb_hits_the_process_limit(host):
         "except OSError as e:\n"
         "    print(f'fork failed after {n} forks: {type(e).__name__}')\n"
     )
-    # RLIMIT_NPROC counts every process of the user: not 'nobody', whom the sandboxes of other
-    # test runs on this machine share, or their processes would take some of the 4
-    result = run(bomb, max_processes=4, sandbox_user="games")
+    # RLIMIT_NPROC counts every process of the user: a user of this test's own, as the
+    # sandboxes of other test runs on this machine would take some of the 4 otherwise
+    result = run(bomb, max_processes=4, sandbox_user=private_user)
     assert result.output == "fork failed after 3 forks: BlockingIOError\n"  # 1 + 3 = 4
     assert result.stopped is None  # the forks it left sleeping were killed with the group
 
@@ -225,15 +240,22 @@ def test_the_host_filesystem_is_not_even_visible_under_chroot(host, tmp_path):
     )  # os.stat is not audited: the kernel says no
 
 
-def test_the_working_directory_is_fresh_writable_and_removed(host):
-    workdirs = glob.glob(os.path.join(tempfile.gettempdir(), "envloop-code-*"))
-    result = run_cells(["open('a.txt', 'w').write('hi')", "import os\nsorted(os.listdir('.'))"])
-    assert result.output == "['a.txt']\n"
-    assert run("import os\nos.listdir('.')").output == "[]\n"
-    assert run("open('big', 'wb').write(b'x' * 2 * 2**20)", disk_mb=1).error == (
-        "OSError: [Errno 27] File too large"
-    )
-    assert glob.glob(os.path.join(tempfile.gettempdir(), "envloop-code-*")) == workdirs
+def test_the_working_directory_is_fresh_writable_and_removed(host, monkeypatch):
+    # Sandboxes make their working directories in tempfile's directory: one of this test's
+    # own, so that other test runs' sandboxes on this machine are not counted.
+    temp = tempfile.mkdtemp(prefix="envloop-test-")
+    os.chmod(temp, 0o755)  # the sandbox user must reach its working directory
+    monkeypatch.setattr(tempfile, "tempdir", temp)
+    try:
+        result = run_cells(["open('a.txt', 'w').write('hi')", "import os\nsorted(os.listdir('.'))"])
+        assert result.output == "['a.txt']\n"
+        assert run("import os\nos.listdir('.')").output == "[]\n"
+        assert run("open('big', 'wb').write(b'x' * 2 * 2**20)", disk_mb=1).error == (
+            "OSError: [Errno 27] File too large"
+        )
+        assert os.listdir(temp) == []
+    finally:
+        os.rmdir(temp)
 
 
 def test_sockets_are_blocked(host):
