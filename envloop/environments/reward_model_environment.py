@@ -37,7 +37,7 @@ from envloop.environments.reward_model_config import (
     reward_model_ray_options,
     validate_config,
 )
-from envloop.environments.reward_model_loading import load_reward_model, tokenizer_options
+from envloop.environments.reward_model_loading import load_reward_model
 from envloop.environments.reward_model_packing import (
     packing_problem,
     plan_packed_rows,
@@ -60,7 +60,6 @@ class RewardModelEnvironment(EnvironmentInterface):
             set_cpu_threads(cpu_threads(self.config))
         self.tokenizer, self.model = load_reward_model(self.config, self.device)
         self.pad_id: int = self.model.config.get_text_config().pad_token_id
-        self.template_kwargs = tokenizer_options(self.config).get("chat_template_kwargs") or {}
         packing = self.config["sequence_packing"]["enabled"]
         problem = packing_problem(self.model) if packing else None
         if problem:
@@ -100,9 +99,7 @@ class RewardModelEnvironment(EnvironmentInterface):
             raise ValueError(f"message {bad[0]} is not a {{'role': str, 'content': str}} dict")
         messages = [{"role": m["role"], "content": m["content"]} for m in log]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, **self.template_kwargs
-            )
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         except Exception as exc:
             raise ValueError(f"chat template failed ({type(exc).__name__}: {exc})") from exc
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
