@@ -7,7 +7,7 @@ import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 
 class ConfigError(ValueError):
@@ -70,8 +70,8 @@ def _required(f: dataclasses.Field) -> bool:
 def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[str]:
     """Problems of ``config`` against TypedDict ``spec``: not a mapping, unknown keys (with a
     close match), missing required keys, and values of the wrong type (for plain classes,
-    ``X | None``, ``Literal[...]`` (with a close match), ``list[...]`` and ``dict[...]``
-    annotations; others are not checked).
+    ``X | None``, ``Literal[...]`` (with a close match), ``list[...]`` (the entries too, for
+    lists of str, int, float or bool) and ``dict[...]`` annotations; others are not checked).
 
     >>> from typing import TypedDict
     >>> class Cfg(TypedDict):
@@ -82,6 +82,8 @@ def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[s
     num_worker: unknown option. Did you mean 'num_workers'?
     num_workers: required
     stop_strings: expected list | None, got str ('x')
+    >>> typed_dict_problems({"num_workers": 1, "stop_strings": ["</a>", 3]}, Cfg)
+    ['stop_strings: every entry must be a string']
     """
     if not isinstance(config, Mapping):
         return [f"{what}: expected a dict, got {type(config).__name__}"]
@@ -98,12 +100,26 @@ def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[s
 def _mismatch(value: Any, annotation: Any) -> str:
     """Why ``value`` does not fit ``annotation``: the allowed values (with a close match)
     for a ``Literal``, else the expected type."""
+    entry = _list_entry_type(annotation)
+    if isinstance(value, list) and entry is not None:
+        return f"every entry must be {_ENTRY_NAMES[entry]}"
     choices = _literal_choices(annotation)
     if choices:
         close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         hint = f". Did you mean {close[0]!r}?" if close else ""
         return f"{value!r} is not one of {', '.join(str(c) for c in choices)}{hint}"
     return f"expected {_describe(annotation)}, got {type(value).__name__} ({value!r:.40})"
+
+
+def _list_entry_type(annotation: Any) -> type | None:
+    """The checked entry type of the ``list[...]`` part of ``annotation``, if any."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        found = [_list_entry_type(arg) for arg in typing.get_args(annotation)]
+        return next((t for t in found if t is not None), None)
+    items = typing.get_args(annotation)
+    if typing.get_origin(annotation) is list and len(items) == 1 and items[0] in _ENTRY_NAMES:
+        return items[0]
+    return None
 
 
 def _literal_choices(annotation: Any) -> list[Any]:
@@ -128,7 +144,14 @@ def _matches(value: Any, annotation: Any) -> bool:
     if annotation is int:
         return isinstance(value, int) and not isinstance(value, bool)
     target = origin or annotation
-    return not isinstance(target, type) or isinstance(value, target)
+    if not isinstance(target, type) or not isinstance(value, target):
+        return not isinstance(target, type)
+    entry = _list_entry_type(annotation)
+    return entry is None or all(_matches(item, entry) for item in cast(list, value))
+
+
+_ENTRY_NAMES = {str: "a string", int: "an int", float: "a number", bool: "a bool"}
+"""Element types whose entries ``list[...]`` annotations check, and how errors name them."""
 
 
 def _describe(annotation: Any) -> str:

@@ -143,7 +143,4 @@ def _config_problems(config: Any) -> list[str]:
         problems.append(f"num_workers: must be at least 1, got {workers}")
     if isinstance(threshold, (int, float)) and not 0 <= threshold < 1:
         problems.append(f"alignment_threshold: must be in [0, 1), got {threshold}")
-    stops = config.get("stop_strings")
-    if isinstance(stops, list) and not all(isinstance(s, str) for s in stops):
-        problems.append("stop_strings: every entry must be a string")
     return problems

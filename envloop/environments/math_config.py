@@ -66,9 +66,6 @@ def config_problems(config: Any) -> list[str]:
         problems.append(f"max_attempts: must be at least 1, got {attempts}")
     if config.get("observation_role", "environment") == "":
         problems.append("observation_role: must be a role name such as 'environment' or 'user'")
-    stops = config.get("stop_strings")
-    if isinstance(stops, list) and not all(isinstance(s, str) for s in stops):
-        problems.append("stop_strings: every entry must be a string")
     return problems or _combination_problems(config)
 
 

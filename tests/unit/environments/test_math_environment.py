@@ -232,8 +232,8 @@ def test_config_errors_name_every_bad_key():
     assert info.value.problems == [
         "num_worker: unknown option. Did you mean 'num_workers'?",
         "reward_mode: 'both' is not one of correctness, multi",
-        "verify_timeout_s: must be > 0 seconds, got 0",
         "stop_strings: every entry must be a string",
+        "verify_timeout_s: must be > 0 seconds, got 0",
     ]
     with pytest.raises(ConfigError) as info:
         MathEnvironment(
