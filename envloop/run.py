@@ -74,7 +74,7 @@ def run(
             envs = start_envs(config.envs)  # they start while the policy loads
         with startup.phase("policy_load"):
             policy = make_policy(config.policy)
-        batch = inputs.batch  # tokenized before Ray started, with the same tokenizer files
+        batch = inputs.rollout_batch(config)  # tokenized before Ray started
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
         progress = Progress(batch.size, out, quiet)

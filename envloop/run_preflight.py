@@ -1,9 +1,10 @@
 """What ``envloop run`` checks before it starts Ray: the prompts load, the policy's tokenizer
 loads, and every prompt fits ``rollout.max_seq_len``.
 
-It imports transformers (for the tokenizer) but not Ray, the policy model or the rollout
-engine, so a run that cannot work fails in seconds; :func:`envloop.run.run` takes the
-result as its ``inputs``.
+It imports transformers' tokenizer classes but not torch (the tokenizer is loaded as
+:mod:`envloop.models.tokenizer_classes` describes), Ray, the policy model or the rollout
+engine, so a run that cannot work fails in about a second; :func:`envloop.run.run` takes
+the result as its ``inputs``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from envloop.config_errors import ConfigError
-from envloop.data.datasets import PromptSample, build_rollout_batch, load_prompt_samples
+from envloop.data.datasets import (
+    PromptSample,
+    build_rollout_batch,
+    load_prompt_samples,
+    prompt_token_ids,
+)
 from envloop.run_config import RunConfig
 from envloop.run_config_sections import PolicyConfig
 
@@ -26,8 +32,15 @@ class RunInputs:
 
     samples: list[PromptSample]  # the dataset rows selected
     tokenizer: Any  # the policy's tokenizer, as the policy loads it
-    batch: Any  # BatchedDataDict: the rollout input, one row per sample (prompt x generation)
+    token_ids: list[list[list[int]]]  # per sample, per prompt message: its templated token ids
     seconds: float  # how long loading and tokenizing took
+
+    def rollout_batch(self, config: RunConfig) -> Any:
+        """The rollout input (a BatchedDataDict, one row per prompt x generation; imports
+        torch)."""
+        stops = {task: env.stop_strings for task, env in config.envs.items()}
+        gens = config.rollout.generations_per_prompt
+        return build_rollout_batch(self.samples, self.tokenizer, gens, stops, self.token_ids)
 
 
 def prepare_inputs(config: RunConfig) -> RunInputs:
@@ -38,13 +51,13 @@ def prepare_inputs(config: RunConfig) -> RunInputs:
     tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
     samples = load_prompt_samples(config.data, tasks)
     tokenizer = load_policy_tokenizer(config.policy)
-    stops = {task: env.stop_strings for task, env in config.envs.items()}
-    gens = config.rollout.generations_per_prompt
-    batch = build_rollout_batch(samples, tokenizer, gens, stops)
-    problem = prompt_length_problem(batch["length"], batch["idx"], config.rollout.max_seq_len)
+    token_ids = prompt_token_ids(samples, tokenizer)
+    lengths = [sum(map(len, messages)) for messages in token_ids]
+    rows = [s.idx for s in samples]
+    problem = prompt_length_problem(lengths, rows, config.rollout.max_seq_len)
     if problem:
         raise ConfigError("run config", [problem])
-    return RunInputs(samples, tokenizer, batch, time.perf_counter() - started)
+    return RunInputs(samples, tokenizer, token_ids, time.perf_counter() - started)
 
 
 def load_policy_tokenizer(policy: PolicyConfig) -> Any:

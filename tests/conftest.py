@@ -20,6 +20,17 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def envloop_cache_dir(tmp_path_factory) -> Path:
+    """envloop's cache (remembered tokenizer classes) in the session's temp dir, not ~/.cache;
+    command-line runs started by tests inherit it."""
+    from envloop.models.tokenizer_classes import CACHE_DIR_VARIABLE
+
+    path = tmp_path_factory.mktemp("envloop_cache")
+    os.environ[CACHE_DIR_VARIABLE] = str(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """Byte-level BPE tokenizer, ChatML template; EOS ``<|im_end|>``, pad ``<|endoftext|>``."""

@@ -62,23 +62,37 @@ def load_prompt_samples(data: DataConfig, tasks: Mapping[str, bool]) -> list[Pro
     return [s for s in samples if s is not None]
 
 
+def prompt_token_ids(samples: Sequence[PromptSample], tokenizer: Any) -> list[list[list[int]]]:
+    """Each sample's prompt, chat-templated with the generation prompt: per message, its
+    token ids (what :func:`build_rollout_batch` puts in ``message_log``). Needs no torch."""
+    from envloop.data.message_tokens import message_token_ids
+
+    return [
+        message_token_ids(s.messages, tokenizer, add_generation_prompt=True)[1] for s in samples
+    ]
+
+
 def build_rollout_batch(
     samples: Sequence[PromptSample],
     tokenizer: Any,
     generations_per_prompt: int = 1,
     stop_strings: Mapping[str, list[str] | None] | None = None,
+    token_ids: Sequence[list[list[int]]] | None = None,
 ) -> BatchedDataDict[Any]:
     """The rollout input: ``DatumSpec`` columns plus ``prompt_messages`` (the original
     messages), ``ground_truth``, ``initial_extra_env_info`` (a copy the rollout leaves
     alone, for re-scoring) and ``generation`` (0 .. n-1 within each prompt's group),
     each prompt repeated ``generations_per_prompt`` times in a row. ``stop_strings`` gives
-    each task's first-turn stop strings. (Imports torch: reading rows does not.)"""
-    from envloop.data.llm_message_utils import get_formatted_message_log
+    each task's first-turn stop strings; ``token_ids``, the prompts'
+    :func:`prompt_token_ids` when already computed. (Imports torch: reading rows does not.)"""
+    import torch
+
     from envloop.distributed.batched_data_dict import BatchedDataDict
 
+    token_ids = token_ids if token_ids is not None else prompt_token_ids(samples, tokenizer)
     logs = [
-        get_formatted_message_log(s.messages, tokenizer, add_generation_prompt=True)
-        for s in samples
+        [{**m, "token_ids": torch.tensor(ids, dtype=torch.long)} for m, ids in zip(s.messages, t)]
+        for s, t in zip(samples, token_ids)
     ]
     stops = stop_strings or {}
     batch: BatchedDataDict[Any] = BatchedDataDict(

@@ -7,9 +7,8 @@ from typing import Any
 
 import torch
 
-from envloop.data.chat_templates import render_chat
 from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType, TaskDataSpec
-from envloop.data.tokenization import tokenize_texts
+from envloop.data.message_tokens import message_token_ids
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -172,16 +171,10 @@ def get_formatted_message_log(
             "get_formatted_message_log's third parameter is task_data_spec (a TaskDataSpec or "
             "None); pass add_bos_token and the other flags by keyword."
         )
-    log = _with_task_prompt(message_log, task_data_spec)
-    texts: list[str] = []
-    for i in range(len(log)):
-        prompt = add_generation_prompt and i == len(log) - 1
-        texts.append(render_chat(tokenizer, log[: i + 1], prompt, tools))
-    deltas = _prefix_deltas(texts)
-    if debug:
-        _print_turns(log, deltas, texts[-1] if texts else "")
-    token_lists = tokenize_texts(tokenizer, deltas)
-    _add_bos_eos(token_lists, tokenizer, add_bos_token, add_eos_token and not add_generation_prompt)
+    log, token_lists = message_token_ids(
+        message_log, tokenizer, task_data_spec, add_bos_token, add_eos_token,
+        add_generation_prompt, tools, debug,
+    )  # fmt: skip
     return [
         {**message, "token_ids": torch.tensor(ids, dtype=torch.long)}
         for message, ids in zip(log, token_lists)
@@ -307,52 +300,3 @@ def _pad_rows(key: str, rows: list[Any], pad_value: int | float, width: int) -> 
     )
     out[:, : padded.shape[1]] = padded
     return out
-
-
-def _with_task_prompt(
-    message_log: LLMMessageLogType, spec: TaskDataSpec | None
-) -> LLMMessageLogType:
-    """``message_log`` with ``spec.prompt`` applied to the first user message's content."""
-    prompt = getattr(spec, "prompt", None)
-    first_user = next((i for i, m in enumerate(message_log) if m.get("role") == "user"), None)
-    if not prompt or first_user is None:
-        return list(message_log)
-    out = list(message_log)
-    out[first_user] = {**out[first_user], "content": prompt.format(out[first_user]["content"])}
-    return out
-
-
-def _print_turns(log: LLMMessageLogType, chunks: list[str], whole: str) -> None:
-    """The ``debug`` output of ``get_formatted_message_log``: each turn's templated chunk."""
-    rule = "=" * 80
-    print(f"\n{rule}\nDEBUG: Individual message turns from apply_chat_template\n{rule}")
-    for i, (message, chunk) in enumerate(zip(log, chunks)):
-        print(f"\n[Turn {i + 1}/{len(log)}] Role: {message['role']}\n{'-' * 40}")
-        print(f"Extracted message chunk:\n{chunk!r}\nRaw text (len={len(chunk)}):\n{chunk}")
-        print("-" * 40)
-    print(f"\n{rule}\nDEBUG: Complete formatted conversation:\n{'-' * 80}\n{whole}\n{rule}\n")
-
-
-def _prefix_deltas(texts: list[str]) -> list[str]:
-    deltas, previous = [], ""
-    for i, text in enumerate(texts):
-        if not text.startswith(previous):
-            raise ValueError(
-                f"The chat template renders messages[:{i}] as text that is not a prefix of its "
-                f"rendering of messages[:{i + 1}], so per-message token_ids cannot be exact. "
-                "This happens with templates that rewrite earlier turns (e.g. strip reasoning); "
-                "tokenize such logs as one message instead."
-            )
-        deltas.append(text[len(previous) :])
-        previous = text
-    return deltas
-
-
-def _add_bos_eos(token_lists: list[list[int]], tokenizer: Any, bos: bool, eos: bool) -> None:
-    if not token_lists:
-        return
-    bos_id, eos_id = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
-    if bos and bos_id is not None and token_lists[0][:1] != [bos_id]:
-        token_lists[0].insert(0, bos_id)
-    if eos and eos_id is not None and eos_id not in token_lists[-1]:
-        token_lists[-1].append(eos_id)

@@ -21,6 +21,7 @@ from typing_extensions import NotRequired, TypedDict
 from envloop.config_errors import ConfigError, typed_dict_problems
 from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES
 from envloop.demo import BUNDLED_PREFIX, resolve_model
+from envloop.models.tokenizer_classes import remember_class, remembered_class
 
 __all__ = [
     "PASSTHROUGH_TEMPLATE",
@@ -124,8 +125,6 @@ def configure_tokenizer(tokenizer: Any, tokenizer_config: TokenizerConfig | dict
 
 
 def _load_tokenizer(name: str) -> Any:
-    from transformers import AutoTokenizer
-
     path = resolve_model(name)
     if not Path(path).is_dir() and not _HUB_ID.match(path):
         raise FileNotFoundError(
@@ -133,7 +132,7 @@ def _load_tokenizer(name: str) -> Any:
             f"'org/name', or {BUNDLED_PREFIX}<name> for a bundled model."
         )
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return _from_pretrained(path)
     except (OSError, ValueError) as exc:
         where = "the folder" if Path(path).is_dir() else "the hub (or its local cache)"
         raise OSError(
@@ -142,3 +141,19 @@ def _load_tokenizer(name: str) -> Any:
             "tokenizer_config.json); a hub id looks like 'org/name' and needs network access "
             "or a cached copy."
         ) from exc
+
+
+def _from_pretrained(path: str) -> Any:
+    """``AutoTokenizer.from_pretrained(path)``; a folder loaded before is loaded by the same
+    class directly, without AutoTokenizer's torch import (see
+    :mod:`envloop.models.tokenizer_classes`)."""
+    folder = Path(path).is_dir()
+    remembered: Any = remembered_class(path) if folder else None
+    if remembered is not None:
+        return remembered.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if folder:
+        remember_class(path, type(tokenizer))
+    return tokenizer
