@@ -27,36 +27,28 @@ observation that explains the format.
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, TypedDict
 
 import torch
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config_errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.answer_extraction import extract_tag
-from envloop.environments.code_sandbox import SandboxLimits, run_cells
+from envloop.environments.code_config import (
+    DEFAULTS,
+    CodeEnvConfig,
+    config_problems,
+    sandbox_limits,
+    with_defaults,
+)
+from envloop.environments.code_sandbox import run_cells
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
+__all__ = ["DEFAULTS", "CodeEnvConfig", "CodeEnvMetadata", "CodeEnvironment"]
+
 _NO_CODE = "No complete <code>...</code> block in the response, so the episode ends"
-
-
-class CodeEnvConfig(TypedDict, total=False):
-    """Options of :class:`CodeEnvironment`; every key is optional (defaults in brackets)."""
-
-    num_workers: int  # sandboxes running at once, each its own process [4]
-    timeout_s: float  # wall-clock limit of a run's code (not start-up), replays included [10.0]
-    cpu_time_s: int  # CPU seconds of one run [10]
-    memory_mb: int  # address-space limit of the sandbox process [1024]
-    max_output_bytes: int  # output kept per turn; more stops the run [16384]
-    max_processes: int  # processes of the sandbox user; 1 also blocks fork/subprocess [1]
-    disk_mb: int  # largest file, and the size of the working directory's tmpfs [64]
-    max_open_files: int  # open files of the sandbox process [64]
-    sandbox_user: str  # unprivileged user the code runs as when we are root ["nobody"]
-    max_turns: int  # code turns per episode unless metadata["max_turns"] says otherwise [8]
-    stop_strings: list[str]  # where generation stops for the next turn [["</code>"]]
 
 
 class CodeEnvMetadata(TypedDict, total=False):
@@ -80,10 +72,19 @@ class CodeEnvironment(EnvironmentInterface):
     """Runs each response's code in a sandbox and scores finished episodes by their tests."""
 
     def __init__(self, cfg: CodeEnvConfig | None = None) -> None:
-        options, self.limits = _validated(cfg)
+        problems = self.config_problems(cfg)
+        if problems:
+            raise ConfigError("CodeEnvConfig", problems)
+        options = with_defaults(cfg)
+        self.limits = sandbox_limits(options)
         self.max_turns: int = options["max_turns"]
         self.stop_strings: list[str] = list(options["stop_strings"])
         self._pool = ThreadPoolExecutor(options["num_workers"], thread_name_prefix="code_env")
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.code_config.config_problems`)."""
+        return config_problems(config)
 
     def step(
         self,
@@ -156,33 +157,3 @@ def _tests(md: CodeEnvMetadata) -> list[str]:
             f"metadata['tests'] must be a list of Python statements (str), got {tests!r:.80}"
         )
     return tests
-
-
-_DEFAULTS: dict[str, Any] = {
-    **dataclasses.asdict(SandboxLimits()),
-    "num_workers": 4,
-    "max_turns": 8,
-    "stop_strings": ["</code>"],
-}
-
-
-def _validated(cfg: CodeEnvConfig | None) -> tuple[dict[str, Any], SandboxLimits]:
-    """The config with defaults filled in, and its sandbox limits; one ConfigError listing
-    every bad key otherwise."""
-    given: Any = {} if cfg is None else cfg
-    problems = typed_dict_problems(given, CodeEnvConfig, "CodeEnvConfig")
-    if not isinstance(given, dict):
-        raise ConfigError("CodeEnvConfig", problems)
-    bad = {p.split(":")[0] for p in problems}
-    options = {**_DEFAULTS, **{k: v for k, v in given.items() if k in _DEFAULTS and k not in bad}}
-    limit_names = {f.name for f in dataclasses.fields(SandboxLimits)}
-    limits = SandboxLimits(**{k: v for k, v in options.items() if k in limit_names})
-    problems += limits.problems()
-    problems += [f"{k}: must be >= 1, got {options[k]}" for k in ("num_workers", "max_turns")
-                 if options[k] < 1]  # fmt: skip
-    stops = options["stop_strings"]
-    if not stops or not all(isinstance(s, str) and s for s in stops):
-        problems.append(f"stop_strings: must be a non-empty list of non-empty strings, got {stops}")
-    if problems:
-        raise ConfigError("CodeEnvConfig", problems)
-    return options, limits

@@ -22,18 +22,24 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import NotRequired
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config_errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.code_jaccard_config import (
+    DEFAULTS,
+    CodeJaccardEnvConfig,
+    config_problems,
+)
 from envloop.environments.code_similarity import code_jaccard, code_tokens, extract_code
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.utils import last_assistant_text
 
-
-class CodeJaccardEnvConfig(TypedDict, total=False):
-    num_workers: int  # NeMo-RL config compatibility only: validated, unused (scoring is cheap)
-    stop_strings: list[str] | None  # returned as next_stop_strings; no turn follows (None)
-    alignment_threshold: float  # a score above this is "aligned" (0.5)
+__all__ = [
+    "DEFAULTS",
+    "CodeJaccardEnvConfig",
+    "CodeJaccardEnvironment",
+    "CodeJaccardEnvironmentMetadata",
+]
 
 
 class CodeJaccardEnvironmentMetadata(TypedDict):
@@ -42,13 +48,6 @@ class CodeJaccardEnvironmentMetadata(TypedDict):
     ground_truth: str
     jaccard_score: NotRequired[float]
     jaccard_error: NotRequired[str]
-
-
-DEFAULTS: CodeJaccardEnvConfig = {
-    "num_workers": 1,
-    "stop_strings": None,
-    "alignment_threshold": 0.5,
-}
 
 
 class CodeJaccardEnvironment(EnvironmentInterface[CodeJaccardEnvironmentMetadata]):
@@ -61,10 +60,15 @@ class CodeJaccardEnvironment(EnvironmentInterface[CodeJaccardEnvironmentMetadata
     """
 
     def __init__(self, config: CodeJaccardEnvConfig | None = None) -> None:
-        problems = _config_problems(config if config is not None else {})
+        problems = self.config_problems(config)
         if problems:
             raise ConfigError("CodeJaccardEnvConfig", problems)
         self.config: CodeJaccardEnvConfig = {**DEFAULTS, **(config or {})}
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.code_jaccard_config.config_problems`)."""
+        return config_problems(config)
 
     def step(
         self,
@@ -132,15 +136,3 @@ def _score(response: str, metadata: Any) -> tuple[float, str | None]:
 def _with_result(metadata: Any, score: float, error: str | None) -> dict[str, Any]:
     result = {**(metadata if isinstance(metadata, Mapping) else {}), "jaccard_score": score}
     return {**result, "jaccard_error": error} if error else result
-
-
-def _config_problems(config: Any) -> list[str]:
-    problems = typed_dict_problems(config, CodeJaccardEnvConfig)
-    if not isinstance(config, Mapping):
-        return problems
-    workers, threshold = config.get("num_workers", 1), config.get("alignment_threshold", 0.5)
-    if isinstance(workers, int) and workers < 1:
-        problems.append(f"num_workers: must be at least 1, got {workers}")
-    if isinstance(threshold, (int, float)) and not 0 <= threshold < 1:
-        problems.append(f"alignment_threshold: must be in [0, 1), got {threshold}")
-    return problems

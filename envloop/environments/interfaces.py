@@ -119,6 +119,18 @@ class EnvironmentInterface(ABC, Generic[MetadataT], metaclass=EnvironmentClass):
         The default asks for nothing."""
         return {}
 
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (None: the defaults) beyond the types of the config
+        TypedDict annotated on ``__init__``: ranges and contradictory options, one line each
+        with its key relative to the config (``"max_turns: must be >= 1, got 0"``).
+
+        ``envloop run`` reports them with the TypedDict's type problems before Ray starts;
+        override it (and call it in ``__init__``) to have a bad config rejected there
+        rather than in the actor. It runs in the driver, so keep it cheap. The default
+        finds none."""
+        return []
+
 
 class _DropRemoteOverrideNote(logging.Filter):
     """Drops Ray's note that an actor class made from an environment class "overwrites

@@ -1,5 +1,7 @@
-"""The math environments' options (:class:`MathEnvConfig`), validated once, and the check a
-config selects (:func:`checker_name`)."""
+"""The math environments' options (:class:`MathEnvConfig`), validated once
+(:func:`config_problems`, :func:`multi_reward_config_problems`), and the check a config
+selects (:func:`checker_name`). Imports nothing heavy: ``envloop run`` checks configs with it
+before starting Ray."""
 
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ def checker_name(config: Mapping[str, Any]) -> str:
 
 
 def config_problems(config: Any) -> list[str]:
+    """Every problem of a ``math`` config (None: the defaults), one line each.
+
+    >>> config_problems({"max_attempts": 0, "verify_timeout_s": "10"})
+    ["verify_timeout_s: expected float, got str ('10')", 'max_attempts: must be at least 1, got 0']
+    """
+    if config is None:
+        return []
     problems = typed_dict_problems(config, MathEnvConfig)
     if not isinstance(config, Mapping):
         return problems
@@ -67,6 +76,26 @@ def config_problems(config: Any) -> list[str]:
     if config.get("observation_role", "environment") == "":
         problems.append("observation_role: must be a role name such as 'environment' or 'user'")
     return problems or _combination_problems(config)
+
+
+def multi_reward_config_problems(config: Any) -> list[str]:
+    """Every problem of a ``math_multi_reward`` config: a ``math`` config with math-verify
+    checks only and no ``reward_mode``.
+
+    >>> multi_reward_config_problems({"reward_mode": "multi"})
+    ['reward_mode: not an option of math_multi_reward (it has 3 rewards)']
+    """
+    problems = config_problems(config)
+    if not isinstance(config, Mapping):
+        return problems
+    if "reward_mode" in config:
+        problems.append("reward_mode: not an option of math_multi_reward (it has 3 rewards)")
+    if checker_name(config) != "hf_math_verify" and not problems:
+        problems.append(
+            "verifier_type: math_multi_reward checks <answer> tags with math-verify only;"
+            " drop verifier_type and math_verify_impl"
+        )
+    return problems
 
 
 def _combination_problems(config: Mapping[str, Any]) -> list[str]:

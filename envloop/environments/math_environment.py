@@ -68,6 +68,7 @@ from envloop.environments.math_config import (
     MathEnvConfig,
     checker_name,
     config_problems,
+    multi_reward_config_problems,
 )
 from envloop.environments.math_verification import MathVerifier, timed_out
 from envloop.environments.process_pool import HardTimeoutPool, Outcome
@@ -84,7 +85,7 @@ class MathEnvironment(EnvironmentInterface):
     """Scores math answers; see the module docstring. ``config=None`` means :data:`DEFAULTS`."""
 
     def __init__(self, config: MathEnvConfig | None = None) -> None:
-        problems = self._config_problems(config if config is not None else {})
+        problems = self.config_problems(config)
         if problems:
             raise ConfigError("MathEnvConfig", problems)
         self.config: MathEnvConfig = {**DEFAULTS, **(config or {})}
@@ -199,7 +200,8 @@ class MathEnvironment(EnvironmentInterface):
         self.shutdown()
 
     @classmethod
-    def _config_problems(cls, config: Any) -> list[str]:
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.math_config.config_problems`)."""
         return config_problems(config)
 
 
@@ -237,18 +239,9 @@ class MathMultiRewardEnvironment(MathEnvironment):
         }
 
     @classmethod
-    def _config_problems(cls, config: Any) -> list[str]:
-        problems = config_problems(config)
-        if not isinstance(config, Mapping):
-            return problems
-        if "reward_mode" in config:
-            problems.append("reward_mode: not an option of math_multi_reward (it has 3 rewards)")
-        if checker_name(config) != "hf_math_verify" and not problems:
-            problems.append(
-                "verifier_type: math_multi_reward checks <answer> tags with math-verify only;"
-                " drop verifier_type and math_verify_impl"
-            )
-        return problems
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.math_config.multi_reward_config_problems`)."""
+        return multi_reward_config_problems(config)
 
 
 def _with_error(metadata: Any, error: str | None) -> Any:

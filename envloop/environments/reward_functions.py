@@ -1,15 +1,20 @@
 """The built-in reward functions (see :mod:`envloop.environments.rewards` for the API).
 
 Each is called as ``fn(responses, ground_truths, **kwargs)`` and returns one
-``(score in [0, 1], correct or None)`` pair per response.
+``(score in [0, 1], correct or None)`` pair per response. math-verify (and sympy) load when
+``math_expr`` first runs, so that checking a config that names these functions stays cheap.
 """
+
+from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from envloop.environments.answer_extraction import extract_tag, has_tag_pair
-from envloop.environments.math_verification import MathVerifier
+
+if TYPE_CHECKING:
+    from envloop.environments.math_verification import MathVerifier
 
 Score = tuple[float, bool | None]
 """One response's ``(score in [0, 1], correct or None)``."""
@@ -121,6 +126,8 @@ _VERIFIERS: dict[tuple[float, int], MathVerifier] = {}
 
 def _math_verifier(timeout_s: float, processes: int) -> MathVerifier:
     """This process's verifier for these settings, started on first use."""
+    from envloop.environments.math_verification import MathVerifier
+
     if (timeout_s, processes) not in _VERIFIERS:
         _VERIFIERS[(timeout_s, processes)] = MathVerifier(processes, timeout_s)
     return _VERIFIERS[(timeout_s, processes)]

@@ -22,11 +22,10 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from envloop.data.packing import ALGORITHMS
 
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISIONS = ("float32", "bfloat16", "float16")
+"""Weight dtypes of the reward model, by their torch names."""
 REWARD_MODEL_TYPES = ("bradley_terry",)
 MICROBATCH_ORDERS = ("packer", "largest_first")
 NOT_FOR_SCORING = (
@@ -78,7 +77,7 @@ def resolve_aliases(given: Mapping[str, Any], merged: Any, mistyped: set[str]) -
         warnings.warn(
             f"reward_model: {old} is deprecated; rename it to logprob_mb_tokens (NeMo-RL's name).",
             FutureWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         problems += _same_or_alias(
             given, merged, "dynamic_batching.logprob_mb_tokens", old, mistyped

@@ -44,6 +44,7 @@ __all__ = [
     "PRECISIONS",
     "RewardModelEnvironmentConfig",
     "UnusedConfigWarning",
+    "config_problems",
     "reward_model_ray_options",
     "unused_keys",
     "validate_config",
@@ -132,6 +133,18 @@ _NESTED: dict[str, type] = {
 }
 
 
+def config_problems(config: Any = None) -> list[str]:
+    """Every problem of ``config`` (None: the defaults), one line each with its dotted key;
+    what :func:`validate_config` raises. Imports nothing heavy: ``envloop run`` checks
+    configs with it before starting Ray.
+
+    >>> config_problems({"batch_size": 0, "resources": {"num_cpu": 1}})
+    ["resources.num_cpu: unknown option. Did you mean 'num_cpus'?", 'batch_size: 0 is \
+invalid; use 1 or more']
+    """
+    return _merged_and_problems(config)[1]
+
+
 def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
     """``config`` over :data:`DEFAULTS` (None = defaults), aliases resolved; one
     :class:`~envloop.config_errors.ConfigError` lists every problem.
@@ -141,9 +154,17 @@ def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
     >>> validate_config({"resources": {"gpus_per_node": 1, "num_nodes": 1}})["resources"]
     {'num_cpus': 1, 'num_gpus': 1, 'gpus_per_node': 1, 'num_nodes': 1}
     """
+    merged, problems = _merged_and_problems(config)
+    if problems:
+        raise ConfigError("RewardModelEnvironmentConfig", problems)
+    return merged
+
+
+def _merged_and_problems(config: Any) -> tuple[Any, list[str]]:
+    """``config`` over :data:`DEFAULTS` with aliases resolved, and its problems."""
     given = {} if config is None else config
     if not isinstance(given, dict):
-        raise ConfigError("RewardModelEnvironmentConfig", typed_dict_problems(given, dict))
+        return None, typed_dict_problems(given, dict)
     # Nested TypedDicts are checked on their own (typed_dict_problems checks one level).
     flat = {k: v for k, v in given.items() if k not in _NESTED}
     problems = typed_dict_problems(flat, RewardModelEnvironmentConfig, "config")
@@ -161,9 +182,7 @@ def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
     mistyped = {p.split(":")[0] for p in problems}
     problems += resolve_aliases(given, merged, mistyped)
     problems += value_problems(merged, mistyped)
-    if problems:
-        raise ConfigError("RewardModelEnvironmentConfig", problems)
-    return merged
+    return merged, problems
 
 
 def reward_model_ray_options(config: Any = None) -> dict[str, float]:

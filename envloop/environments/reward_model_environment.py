@@ -34,6 +34,7 @@ from envloop.environments.reward_model_batching import pad_sequences, plan_batch
 from envloop.environments.reward_model_checks import warn_unused
 from envloop.environments.reward_model_config import (
     RewardModelEnvironmentConfig,
+    config_problems,
     reward_model_ray_options,
     validate_config,
 )
@@ -75,6 +76,11 @@ class RewardModelEnvironment(EnvironmentInterface):
         """The config's ``resources`` as Ray actor options (``num_cpus``, ``num_gpus``;
         ``gpus_per_node`` counts as ``num_gpus``); see :func:`reward_model_ray_options`."""
         return dict(reward_model_ray_options(config))
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.reward_model_config.config_problems`)."""
+        return config_problems(config)
 
     def preprocess_data(self, message_logs: list[LLMMessageLogType]) -> BatchedDataDict[Any]:
         """Templated, left-truncated token ids: ``input_ids`` [B, L] right-padded with the pad

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from envloop.demo import resolve_model
-from envloop.environments.reward_model_checks import PRECISIONS
 from envloop.models.tokenizers import get_tokenizer
 
 
@@ -44,7 +43,7 @@ def load_reward_model(config: Any, device: str) -> tuple[Any, Any]:
             "tokenizer.chat_template."
         )
     model: Any = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model(config["model_name"]), num_labels=1, dtype=PRECISIONS[config["precision"]]
+        resolve_model(config["model_name"]), num_labels=1, dtype=getattr(torch, config["precision"])
     )
     if config["checkpoint_path"]:
         model.load_state_dict(_load_state_dict(config["checkpoint_path"]))

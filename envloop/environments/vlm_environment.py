@@ -10,14 +10,12 @@ full score of 1 counts as correct. Scoring is split across ``num_workers``
 :class:`VLMVerifyWorker` objects (Ray actors when Ray runs). A malformed response scores 0.
 """
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from typing_extensions import NotRequired, TypedDict
 
-from envloop.config_errors import ConfigError, typed_dict_problems
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
@@ -27,25 +25,24 @@ from envloop.environments.rewards import (
     close_math_verifiers,
     combine_rewards,
     extract_answer,
-    reward_config_problems,
 )
 from envloop.environments.utils import content_text, last_assistant_text
+from envloop.environments.vlm_config import (
+    DEFAULT_CONFIG,
+    VLMEnvConfig,
+    config_problems,
+    validated_config,
+)
 from envloop.environments.worker_pool import WorkerPool
 
-
-class VLMEnvConfig(TypedDict, total=False):
-    """Options of the ``vlm`` environment; every key is optional (see ``DEFAULT_CONFIG``)."""
-
-    num_workers: int  # verify workers a batch is split across (Ray actors when Ray runs)
-    stop_strings: list[str] | None  # the task's stop strings: ending on one = properly ended
-    reward_functions: list[RewardFunctionConfig]  # [{"name", "weight", "kwargs"?}, ...]
-
-
-DEFAULT_CONFIG: VLMEnvConfig = {
-    "num_workers": 1,
-    "stop_strings": None,
-    "reward_functions": [{"name": "format", "weight": 0.2}, {"name": "exact_alnum", "weight": 0.8}],
-}
+__all__ = [
+    "DEFAULT_CONFIG",
+    "VLMEnvConfig",
+    "VLMEnvironment",
+    "VLMEnvironmentMetadata",
+    "VLMVerifyWorker",
+    "validated_config",
+]
 
 
 class VLMEnvironmentMetadata(TypedDict):
@@ -55,24 +52,6 @@ class VLMEnvironmentMetadata(TypedDict):
     correct: NotRequired[bool]  # the verdict of step
     reward: NotRequired[float]  # the mixed score of step
     reward_errors: NotRequired[list[str]]  # reward functions that failed on the sample
-
-
-def validated_config(cfg: Mapping[str, Any] | None) -> VLMEnvConfig:
-    """``cfg`` over the defaults; one :class:`ConfigError` lists every problem."""
-    given = dict(cfg) if isinstance(cfg, Mapping) else cfg
-    problems = typed_dict_problems({} if given is None else given, VLMEnvConfig, "VLMEnvConfig")
-    merged: Any = copy.deepcopy({**DEFAULT_CONFIG, **(given if isinstance(given, dict) else {})})
-    if isinstance(merged["num_workers"], int) and merged["num_workers"] < 1:
-        problems.append(f"num_workers: must be >= 1, got {merged['num_workers']}")
-    if isinstance(merged["stop_strings"], list) and not all(
-        isinstance(s, str) and s for s in merged["stop_strings"]
-    ):
-        problems.append("stop_strings: every stop string must be a non-empty str")
-    if isinstance(merged["reward_functions"], list):
-        problems += reward_config_problems(merged["reward_functions"])
-    if problems:
-        raise ConfigError("VLMEnvConfig", problems)
-    return merged
 
 
 class VLMVerifyWorker:
@@ -100,6 +79,11 @@ class VLMEnvironment(EnvironmentInterface):
         self.cfg = validated_config(cfg)
         self.answer_tag = _answer_tag(self.cfg["reward_functions"])
         self.workers = WorkerPool(VLMVerifyWorker, self.cfg["num_workers"], self.cfg)
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.vlm_config.config_problems`)."""
+        return config_problems(config)
 
     def step(
         self,

@@ -18,7 +18,6 @@ from a seeded generator, so they are solvable and the same seed gives the same b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import torch
@@ -32,7 +31,22 @@ from envloop.environments.games.sliding_puzzle_board import (
     play,
     render,
 )
+from envloop.environments.games.sliding_puzzle_config import (
+    DEFAULT_CONFIG,
+    SlidingPuzzleConfig,
+    config_problems,
+)
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "STOP_STRINGS",
+    "SlidingPuzzleConfig",
+    "SlidingPuzzleEnv",
+    "SlidingPuzzleMetadata",
+    "initial_prompt",
+    "new_episode_metadata",
+]
 
 STOP_STRINGS = ["</action>"]
 
@@ -73,38 +87,6 @@ def initial_prompt(metadata: SlidingPuzzleMetadata) -> str:
     )
 
 
-class SlidingPuzzleConfig(TypedDict, total=False):
-    """Options of :class:`SlidingPuzzleEnv`; every field is optional."""
-
-    default_size: int  # N of episodes from SlidingPuzzleEnv.new_episode_metadata (3)
-    default_shuffle_moves: int  # scramble length of those episodes, >= 1 (10)
-    default_max_moves: int  # move limit of those episodes, >= 1 (40)
-    reward_on_solve: float  # reward of the move that solves the puzzle (1.0)
-    move_penalty: float  # subtracted from every move's reward, >= 0 (0.0)
-
-
-DEFAULT_CONFIG = SlidingPuzzleConfig(
-    default_size=3, default_shuffle_moves=10, default_max_moves=40, reward_on_solve=1.0,
-    move_penalty=0.0,
-)  # fmt: skip
-_MINIMUM = {
-    "default_size": 2,
-    "default_shuffle_moves": 1,
-    "default_max_moves": 1,
-    "move_penalty": 0,
-}
-
-
-def _config_problems(config: Any) -> list[str]:
-    problems = typed_dict_problems(config, SlidingPuzzleConfig, "sliding_puzzle config")
-    values = config if isinstance(config, Mapping) else {}
-    return problems + [
-        f"{key}: must be >= {low}, got {values[key]!r}"
-        for key, low in _MINIMUM.items()
-        if isinstance(values.get(key), (int, float)) and values[key] < low
-    ]
-
-
 def _metadata_problems(md: Any) -> list[str]:
     problems = typed_dict_problems(md, SlidingPuzzleMetadata, "metadata")
     if not problems:
@@ -123,10 +105,15 @@ class SlidingPuzzleEnv(EnvironmentInterface):
     """Plays one move per sample per ``step``; see the module docstring for the rules."""
 
     def __init__(self, config: SlidingPuzzleConfig | None = None) -> None:
-        problems = _config_problems({} if config is None else config)
+        problems = self.config_problems(config)
         if problems:
             raise ConfigError("sliding_puzzle config", problems)
         self.config = SlidingPuzzleConfig(**{**DEFAULT_CONFIG, **(config or {})})
+
+    @classmethod
+    def config_problems(cls, config: Any) -> list[str]:
+        """Every problem of ``config`` (:func:`.sliding_puzzle_config.config_problems`)."""
+        return config_problems(config)
 
     def new_episode_metadata(self, seed: int) -> SlidingPuzzleMetadata:
         """A fresh episode with this config's default size, scramble length and move limit."""
