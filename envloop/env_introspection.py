@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from typing_extensions import is_typeddict
 
-from envloop.config_errors import typed_dict_problems
+from envloop.config_errors import prefixed, typed_dict_problems
 from envloop.config_schema import type_name
 
 DEFAULTS_NAMES = ("DEFAULTS", "DEFAULT_CONFIG", "_DEFAULTS")
@@ -82,12 +82,11 @@ def env_config_fields(cls: type) -> list[EnvConfigField]:
 def env_config_problems(cls: type, config: Any, prefix: str) -> list[str]:
     """Problems of ``config`` against the environment's TypedDict (nested TypedDicts
     included), each prefixed with ``prefix``; [] when the class declares no TypedDict.
-    Range checks stay with the environment, which runs them when it starts."""
+    Range checks are the class's own (``EnvironmentInterface.config_problems``)."""
     spec = env_config_spec(cls)
     if config is None or spec is None:
         return []
-    return [f"{prefix}.{p}" if ":" in p.split(" ")[0] else f"{prefix}: {p}" for p in
-            _typed_dict_problems_deep(config, spec, env_defaults(cls))]  # fmt: skip
+    return prefixed(_typed_dict_problems_deep(config, spec, env_defaults(cls)), prefix)
 
 
 def _typed_dict_problems_deep(config: Any, spec: type, defaults: Mapping[str, Any]) -> list[str]:

@@ -76,11 +76,12 @@ def load_run_config(
     validated. Raises one :class:`ConfigError` naming every bad key. With ``deep``, also
     checks that ``data.path`` exists (a relative path not found in the current directory
     is looked up next to the config file), that models, tokenizers and checkpoints can be
-    found, and that the environments exist and their configs fit their types.
+    found, and that the environments exist and their configs pass every check their
+    constructors run (see :func:`~envloop.run_config_checks.env_problems`).
 
-    The environment checks import the environment classes, and with them torch (about a
-    second): they run only once everything else is valid, so that a mistyped value fails
-    at once."""
+    The environment checks run only once everything else is valid: a built-in's imports
+    nothing heavy, but an environment without a registered config check is checked by
+    importing its class, and with it torch (about a second)."""
     raw = _read_yaml(path) if path is not None else {}
     problems: list[str] = []
     raw = apply_overrides(raw, overrides, problems)

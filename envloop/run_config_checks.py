@@ -1,15 +1,18 @@
 """Checks of a run config that go beyond types, each problem naming its dotted key.
 
-Two tiers, so that a bad config fails fast: :func:`semantic_problems` needs no heavy
-imports (required sections, models, tokenizers, checkpoints and the dataset can be found);
-:func:`env_problems` imports each environment class (and with it torch) to check that the
-environment exists and that its config fits."""
+Two tiers, so that a bad config fails fast: :func:`semantic_problems` (required sections,
+models, tokenizers, checkpoints and the dataset can be found), then :func:`env_problems`
+(each environment exists and its config passes every check its constructor runs). Neither
+imports anything heavy for the built-in environments, whose registry entries name a
+torch-free config check; an environment without one (a ``module:Class`` path, or one
+registered without ``config_check``) is checked by importing its class, and with it torch."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+from envloop.config_errors import prefixed
 from envloop.demo import resolve_bundled, resolve_model
 from envloop.run_config_paths import dataset_problem, file_problem, model_problem
 
@@ -56,7 +59,9 @@ def semantic_problems(raw: Mapping[str, Any], deep: bool = True) -> list[str]:
 
 
 def env_problems(raw: Mapping[str, Any]) -> list[str]:
-    """Each task's environment exists and its config fits its type (imports the classes)."""
+    """Each task's environment exists and its config passes the environment's checks: the
+    registered config check if the entry names one, else the types of the class's config
+    TypedDict and ``cls.config_problems`` (importing the class)."""
     problems = []
     for task, env in _section(raw, "envs").items():
         env = env if isinstance(env, Mapping) else {}
@@ -77,17 +82,29 @@ def resolve_env_class(name: str) -> type:
 
 
 def _env_problems(task: str, name: str, config: Any) -> list[str]:
-    from envloop.env_introspection import env_config_problems
-    from envloop.environments.registry import list_envs, unknown_name_message
+    from envloop.environments.registry import get_config_check, list_envs, unknown_name_message
 
     key = f"envs.{task}"
     try:
-        cls = resolve_env_class(name)
+        check = get_config_check(name) if name in list_envs() else None
+        if check is None:
+            cls = resolve_env_class(name)
     except ValueError:
         return [f"{key}.name: {unknown_name_message('environment', name, list_envs())}"]
     except (ImportError, TypeError) as exc:
         return [f"{key}.name: {exc}"]
-    return env_config_problems(cls, config, f"{key}.config")
+    if check is not None:
+        return prefixed(check(config), f"{key}.config")
+    return _class_config_problems(cls, config, f"{key}.config")
+
+
+def _class_config_problems(cls: type, config: Any, key: str) -> list[str]:
+    """The types of the class's config TypedDict, then its own ``config_problems``."""
+    from envloop.env_introspection import env_config_problems
+
+    own_check = getattr(cls, "config_problems", None)
+    own = prefixed(own_check(config), key) if callable(own_check) else []
+    return list(dict.fromkeys(env_config_problems(cls, config, key) + own))
 
 
 def _env_path_problems(key: str, config: Mapping[str, Any]) -> list[str]:

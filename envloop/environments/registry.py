@@ -2,39 +2,59 @@
 
 :data:`ENV_REGISTRY` is the registry itself (NeMo-RL's name and entry schema, so code that
 reads or edits it directly keeps working): environment name -> :class:`EnvRegistryEntry`.
+
+An entry may also name its **config check**, ``config_check_fqn``: a function
+``check(config) -> list[str]`` that returns every problem of an environment config (None
+means the defaults), one line each with its key relative to the config
+(``"max_attempts: must be at least 1, got 0"``), and that imports only what checking needs.
+``envloop run`` calls it to report a bad config before Ray starts, without importing the
+environment class (and torch with it). Every built-in names one (its ``*_config`` module's
+``config_problems``, which the environment's constructor runs too);
+``register_env(..., config_check="mypkg.env_config:config_problems")`` names yours. An entry
+without a check is checked by importing the class: its config TypedDict's types, then
+``cls.config_problems(config)`` (see
+:meth:`~envloop.environments.interfaces.EnvironmentInterface.config_problems`).
+
+Reading the registry imports no torch: the environment classes and the actor machinery
+are imported when first used (so is ``DEFAULT_ACTOR_OPTIONS``, still importable from here).
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, TypedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from typing_extensions import NotRequired
 
-from envloop.environments.interfaces import (
-    DEFAULT_ACTOR_OPTIONS,
-    EnvironmentInterface,
-    actor_class,
-)
 from envloop.import_paths import import_from_path
 
+if TYPE_CHECKING:
+    from envloop.environments.interfaces import EnvironmentInterface
+
 __all__ = [
+    "BUILTIN_CONFIG_CHECKS",
     "BUILTIN_ENVS",
-    "DEFAULT_ACTOR_OPTIONS",
     "ENV_REGISTRY",
+    "ConfigCheck",
     "EnvRegistryEntry",
     "EnvTarget",
     "create_env",
+    "get_config_check",
     "get_env_class",
     "list_envs",
     "register_env",
     "unknown_name_message",
 ]
 
-EnvTarget = str | type[EnvironmentInterface]
+EnvTarget = str | type["EnvironmentInterface"]
 """An environment class, or its import path: ``"package.module:ClassName"`` or NeMo-RL's
 ``"package.module.ClassName"``."""
+
+ConfigCheck = Callable[[Any], list[str]]
+"""``check(config) -> problems``: every problem of an environment config (None: the
+defaults), one line each, keys dotted relative to the config."""
 
 
 class EnvRegistryEntry(TypedDict):
@@ -42,6 +62,8 @@ class EnvRegistryEntry(TypedDict):
 
     actor_class_fqn: str  # import path of the class, "pkg.mod:Class" or "pkg.mod.Class"
     actor_class: NotRequired[type[EnvironmentInterface]]  # the class, when registered as one
+    config_check_fqn: NotRequired[str]  # import path of its ConfigCheck, "pkg.mod:function"
+    config_check: NotRequired[ConfigCheck]  # the check, when registered as a function
 
 
 ENV_REGISTRY: dict[str, EnvRegistryEntry] = {}
@@ -50,11 +72,18 @@ ENV_REGISTRY: dict[str, EnvRegistryEntry] = {}
 _PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?$")
 
 
-def register_env(name: str, target: EnvTarget, *, overwrite: bool = False) -> None:
-    """Register an environment class (or its import path) under ``name``.
+def register_env(
+    name: str,
+    target: EnvTarget,
+    *,
+    overwrite: bool = False,
+    config_check: str | ConfigCheck | None = None,
+) -> None:
+    """Register an environment class (or its import path) under ``name``, optionally with
+    its config check: a function or its import path (see the module docstring).
 
-    Registering a name again with the same target does nothing; another target needs
-    ``overwrite=True``.
+    Registering a name again with the same target and check does nothing; another one
+    needs ``overwrite=True``.
 
     >>> register_env("doc_echo", "envloop.environments.interfaces:EnvironmentInterface")
     >>> ENV_REGISTRY["doc_echo"]
@@ -65,16 +94,20 @@ def register_env(name: str, target: EnvTarget, *, overwrite: bool = False) -> No
     ValueError: Env name doc_echo already registered as \
 'envloop.environments.interfaces:EnvironmentInterface'; choose another name, or pass \
 overwrite=True to replace it with 'mypkg.envs.Echo'.
+    >>> register_env("doc_math", "envloop.environments.math_environment:MathEnvironment",
+    ...              config_check="envloop.environments.math_config:config_problems")
+    >>> get_config_check("doc_math")({"max_attempts": 0})
+    ['max_attempts: must be at least 1, got 0']
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_env: name must be a non-empty string, got {name!r}.")
     entry = _entry_for(name, target)
+    _add_config_check(entry, name, config_check)
     existing = ENV_REGISTRY.get(name)
     if existing is not None and existing != entry and not overwrite:
         raise ValueError(
-            f"Env name {name} already registered as {existing['actor_class_fqn']!r}; choose "
-            f"another name, or pass overwrite=True to replace it with "
-            f"{entry['actor_class_fqn']!r}."
+            f"Env name {name} already registered as {_described(existing)}; choose another "
+            f"name, or pass overwrite=True to replace it with {_described(entry)}."
         )
     ENV_REGISTRY[name] = entry
 
@@ -86,9 +119,9 @@ def list_envs() -> list[str]:
 
 def get_env_class(name: str) -> type[EnvironmentInterface]:
     """The class registered under ``name`` (importing it if registered by path)."""
-    if name not in ENV_REGISTRY:
-        raise ValueError(unknown_name_message("environment", name, list_envs()))
-    entry = ENV_REGISTRY[name]
+    from envloop.environments.interfaces import EnvironmentInterface
+
+    entry = _entry(name)
     cls = entry.get("actor_class")
     if cls is None:
         cls = import_from_path(entry["actor_class_fqn"], f"Environment {name!r}")
@@ -98,6 +131,21 @@ def get_env_class(name: str) -> type[EnvironmentInterface]:
             "envloop.environments.interfaces.EnvironmentInterface."
         )
     return cls
+
+
+def get_config_check(name: str) -> ConfigCheck | None:
+    """The config check registered with ``name`` (importing only it), or None when the
+    entry names none.
+
+    >>> get_config_check("code_jaccard")({"alignment_threshold": 1.5})
+    ['alignment_threshold: must be in [0, 1), got 1.5']
+    """
+    entry = _entry(name)
+    check = entry.get("config_check")
+    if check is None and "config_check_fqn" in entry:
+        what = f"Config check of environment {name!r}"
+        check = import_from_path(entry["config_check_fqn"], what, "function", callable)
+    return check
 
 
 def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
@@ -110,6 +158,8 @@ def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
     :func:`envloop.distributed.ray_utils.init_ray`).
     """
     import ray
+
+    from envloop.environments.interfaces import actor_class
 
     cls = get_env_class(name)
     if not ray.is_initialized():
@@ -151,6 +201,48 @@ def _entry_for(name: str, target: Any) -> EnvRegistryEntry:
     return {"actor_class_fqn": target}
 
 
+def _add_config_check(entry: EnvRegistryEntry, name: str, check: Any) -> None:
+    """Set the entry's config-check keys for ``check``: a function, an import path or None."""
+    if check is None:
+        return
+    if isinstance(check, str):
+        if not _PATH.match(check) or ("." not in check and ":" not in check):
+            raise ValueError(
+                f"register_env({name!r}): config_check {check!r} is not an import path; "
+                "write 'package.module:function', e.g. 'mypkg.env_config:config_problems'."
+            )
+        entry["config_check_fqn"] = check
+        return
+    if not callable(check):
+        raise TypeError(
+            f"register_env({name!r}): config_check must be a function or an import path "
+            f"string, got {type(check).__name__}."
+        )
+    qualname = getattr(check, "__qualname__", type(check).__qualname__)
+    entry["config_check_fqn"] = f"{check.__module__}:{qualname}"
+    entry["config_check"] = check
+
+
+def _described(entry: EnvRegistryEntry) -> str:
+    check = entry.get("config_check_fqn")
+    return repr(entry["actor_class_fqn"]) + (f" (config check {check!r})" if check else "")
+
+
+def _entry(name: str) -> EnvRegistryEntry:
+    if name not in ENV_REGISTRY:
+        raise ValueError(unknown_name_message("environment", name, list_envs()))
+    return ENV_REGISTRY[name]
+
+
+def __getattr__(name: str) -> Any:
+    # DEFAULT_ACTOR_OPTIONS lives with the actor machinery, which imports torch.
+    if name == "DEFAULT_ACTOR_OPTIONS":
+        from envloop.environments.interfaces import DEFAULT_ACTOR_OPTIONS
+
+        return DEFAULT_ACTOR_OPTIONS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 BUILTIN_ENVS: dict[str, str] = {
     "math": "envloop.environments.math_environment:MathEnvironment",
     "math_default": "envloop.environments.math_environment:MathEnvironment",
@@ -164,5 +256,18 @@ BUILTIN_ENVS: dict[str, str] = {
 """The environments envloop ships, registered by import path (imported on first use).
 ``math_default`` is NeMo-RL's other name for ``math``."""
 
+BUILTIN_CONFIG_CHECKS: dict[str, str] = {
+    "math": "envloop.environments.math_config:config_problems",
+    "math_default": "envloop.environments.math_config:config_problems",
+    "math_multi_reward": "envloop.environments.math_config:multi_reward_config_problems",
+    "vlm": "envloop.environments.vlm_config:config_problems",
+    "reward_model": "envloop.environments.reward_model_config:config_problems",
+    "code": "envloop.environments.code_config:config_problems",
+    "code_jaccard": "envloop.environments.code_jaccard_config:config_problems",
+    "sliding_puzzle": "envloop.environments.games.sliding_puzzle_config:config_problems",
+}
+"""The config check of each of :data:`BUILTIN_ENVS`: torch-free functions that the
+environments' constructors (and their ``config_problems``) run too."""
+
 for _name, _path in BUILTIN_ENVS.items():
-    register_env(_name, _path)
+    register_env(_name, _path, config_check=BUILTIN_CONFIG_CHECKS[_name])

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import subprocess
+import sys
 import typing
 
 import pytest
 
 from envloop.config_errors import ConfigError
 from envloop.config_schema import reference_rows
+from envloop.environments.registry import register_env
 from envloop.run_config import (
     RunConfig,
     apply_overrides,
@@ -107,7 +111,7 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
         "rollout.mode: 'async' is not available yet; use sync",
         "policy.model: No bundled model 'nothing'; the bundled models are policy, reward_model "
         "(write e.g. 'bundled:policy').",
-    ]  # environment configs are checked once the rest is valid (they import torch)
+    ]  # environment configs are checked once the rest is valid (a custom one imports torch)
     problems = problems_of(config_file, environments)
     # Other tests register environments too: the list of known names varies.
     problems = [re.sub(r"Known: .*?\. Did", "Known: <registered names>. Did", p) for p in problems]
@@ -148,6 +152,87 @@ def test_environment_given_by_import_path(config_file):
         "envs.echo.name: Environment 'tests.fixtures.envs:NoSuchEnv': module tests.fixtures.envs "
         "has no class 'NoSuchEnv'."
     ]
+
+
+BAD_BUILTIN_CONFIGS = {
+    "math": ({"max_attempts": 0}, "max_attempts: must be at least 1, got 0"),
+    "math_default": ({"verify_timeout_s": 0}, "verify_timeout_s: must be > 0 seconds, got 0"),
+    "math_multi_reward": (
+        {"verifier_type": "dapo"},
+        "verifier_type: math_multi_reward checks <answer> tags with math-verify only; drop "
+        "verifier_type and math_verify_impl",
+    ),
+    "vlm": (
+        {"reward_functions": [{"name": "format", "weight": 0}]},
+        "reward_functions[0].weight: must be a positive number, got 0",
+    ),
+    "reward_model": (
+        {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}},
+        "sequence_packing.enabled: True conflicts with dynamic_batching.enabled: True; enable "
+        "one of them",
+    ),
+    "code": ({"timeout_s": 0}, "timeout_s: must be > 0 seconds, got 0"),
+    "code_jaccard": ({"alignment_threshold": 1}, "alignment_threshold: must be in [0, 1), got 1"),
+    "sliding_puzzle": ({"move_penalty": -1}, "move_penalty: must be >= 0, got -1"),
+}
+"""Per built-in environment: a config its constructor rejects for a range or a contradiction
+(not a type), and the problem."""
+
+
+@pytest.mark.parametrize("name", sorted(BAD_BUILTIN_CONFIGS))
+def test_builtin_environment_configs_are_checked_beyond_types(config_file, name):
+    config, problem = BAD_BUILTIN_CONFIGS[name]
+    overrides = [f"envs.t.name={name}", f"envs.t.config={json.dumps(config)}"]
+    assert problems_of(config_file, overrides) == [f"envs.t.config.{problem}"]
+
+
+CHECK_WITHOUT_HEAVY_IMPORTS = """
+import sys
+from envloop.config_errors import ConfigError
+from envloop.run_config import load_run_config
+try:
+    load_run_config(sys.argv[1])
+except ConfigError as exc:
+    print(*exc.problems, sep="\\n")
+print("heavy:", *[m for m in ("torch", "ray", "transformers", "math_verify", "sympy")
+                  if m in sys.modules])
+"""
+
+
+def test_builtin_environment_configs_are_checked_without_heavy_imports(config_file):
+    envs = {name: {"name": name, "config": bad} for name, (bad, _) in BAD_BUILTIN_CONFIGS.items()}
+    config_file.write_text(json.dumps({"data": {"path": "prompts.jsonl"}, "envs": envs}))
+    child = subprocess.run(
+        [sys.executable, "-c", CHECK_WITHOUT_HEAVY_IMPORTS, str(config_file)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    expected = [
+        f"envs.{name}.config.{problem}" for name, (_, problem) in BAD_BUILTIN_CONFIGS.items()
+    ]
+    assert child.stdout.splitlines() == [*expected, "heavy:"]
+
+
+def test_custom_environment_config_checks_are_reported(config_file):
+    countdown = "tests.fixtures.envs:CountdownEnv"
+    bad = ["envs.t.config.start=0", "envs.u.name=countdown_test", "envs.u.config.start=two"]
+    register_env("countdown_test", countdown, overwrite=True)  # no config check: the class's
+    assert problems_of(config_file, [f"envs.t.name={countdown}", *bad]) == [
+        "envs.t.config.start: must be at least 1, got 0",
+        "envs.u.config.start: expected int, got str ('two')",  # once, though both check types
+    ]
+    register_env("countdown_test", countdown, overwrite=True, config_check=_start_below_ten)
+    assert problems_of(config_file, ["envs.u.name=countdown_test", "envs.u.config.start=10"]) == [
+        "envs.u.config.start: must be below 10, got 10"  # only the registered check runs
+    ]
+    # The registered check stands for the class's, which is not consulted: start 0 passes.
+    config = load_run_config(config_file, ["envs.u.name=countdown_test", "envs.u.config.start=0"])
+    assert config.envs["u"].config == {"start": 0}
+
+
+def _start_below_ten(config):
+    start = (config or {}).get("start", 3)
+    return [f"start: must be below 10, got {start}"] if start >= 10 else []
 
 
 def test_hub_ids_are_not_checked_as_files(config_file):

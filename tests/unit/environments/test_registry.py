@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from envloop.config_errors import ConfigError
 from envloop.environments.registry import (
+    BUILTIN_CONFIG_CHECKS,
+    BUILTIN_ENVS,
     ENV_REGISTRY,
     create_env,
+    get_config_check,
     get_env_class,
     list_envs,
     register_env,
 )
-from tests.fixtures.envs import EchoEnv, FailingEnv
+from tests.fixtures.envs import CountdownEnv, EchoEnv, FailingEnv
 
 
 def test_register_by_class_and_by_path():
@@ -97,7 +104,6 @@ def test_bad_targets_are_explained():
 
 def test_builtins_are_registered_and_resolve():
     from envloop.environments.interfaces import EnvironmentInterface
-    from envloop.environments.registry import BUILTIN_ENVS
 
     assert set(BUILTIN_ENVS) == {
         "math",
@@ -110,10 +116,86 @@ def test_builtins_are_registered_and_resolve():
         "sliding_puzzle",
     }
     for name, path in BUILTIN_ENVS.items():
-        assert ENV_REGISTRY[name] == {"actor_class_fqn": path}
+        check = BUILTIN_CONFIG_CHECKS[name]
+        assert ENV_REGISTRY[name] == {"actor_class_fqn": path, "config_check_fqn": check}
         assert issubclass(get_env_class(name), EnvironmentInterface)
     assert get_env_class("math_default") is get_env_class("math")
     assert get_env_class("code_jaccard").__name__ == "CodeJaccardEnvironment"
+
+
+BAD_CONFIGS = {
+    "math": {"max_attempts": 0, "num_worker": 2},
+    "math_default": {"verifier_type": "dapo", "math_verify_impl": "hf_math_verify"},
+    "math_multi_reward": {"reward_mode": "multi"},
+    "vlm": {"num_workers": 0, "reward_functions": [{"name": "fromat", "weight": 1}]},
+    "reward_model": {"batch_size": 0, "resources": {"num_nodes": 2}},
+    "code": {"max_turns": 0, "memory_mb": 8},
+    "code_jaccard": {"num_workers": 0, "alignment_threshold": -0.5},
+    "sliding_puzzle": {"default_size": 1, "reward_on_solve": "1"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONFIGS))
+def test_builtin_config_checks_are_what_the_constructors_reject(name):
+    check, cls = get_config_check(name), get_env_class(name)
+    assert check is not None
+    problems = check(BAD_CONFIGS[name])
+    assert len(problems) >= 1
+    assert cls.config_problems(BAD_CONFIGS[name]) == problems
+    with pytest.raises(ConfigError) as raised:
+        cls(BAD_CONFIGS[name])
+    assert raised.value.problems == problems
+    assert check(None) == check({}) == cls.config_problems(None) == []
+
+
+def test_config_checks_registered_by_path_or_as_a_function():
+    def start_below_ten(config):
+        return ["start: must be below 10"] if (config or {}).get("start", 0) >= 10 else []
+
+    register_env("reg_checked_fn", CountdownEnv, overwrite=True, config_check=start_below_ten)
+    assert get_config_check("reg_checked_fn") is start_below_ten
+    assert ENV_REGISTRY["reg_checked_fn"]["config_check_fqn"] == (
+        f"{__name__}:test_config_checks_registered_by_path_or_as_a_function.<locals>."
+        "start_below_ten"
+    )
+    path = "tests.fixtures.envs:CountdownEnv.config_problems"
+    register_env("reg_checked_path", CountdownEnv, overwrite=True, config_check=path)
+    assert get_config_check("reg_checked_path")({"start": 0}) == [
+        "start: must be at least 1, got 0"
+    ]
+    register_env("reg_unchecked", CountdownEnv, overwrite=True)
+    assert get_config_check("reg_unchecked") is None
+    with pytest.raises(ValueError, match="No environment named 'reg_uncheckd'"):
+        get_config_check("reg_uncheckd")
+
+
+def test_bad_config_checks_are_explained():
+    with pytest.raises(ValueError, match="config_check 'check' is not an import path"):
+        register_env("reg_bad_check", EchoEnv, config_check="check")
+    with pytest.raises(TypeError, match="config_check must be a function or an import path"):
+        register_env("reg_bad_check", EchoEnv, config_check=3)  # type: ignore[arg-type]
+    assert "reg_bad_check" not in list_envs()
+    register_env("reg_check_missing", EchoEnv, config_check="tests.fixtures.envs:nope")
+    with pytest.raises(ImportError, match="Config check of environment 'reg_check_missing'"):
+        get_config_check("reg_check_missing")
+    with pytest.raises(ValueError) as raised:
+        register_env("reg_check_missing", EchoEnv)
+    assert str(raised.value) == (
+        "Env name reg_check_missing already registered as 'tests.fixtures.envs:EchoEnv' "
+        "(config check 'tests.fixtures.envs:nope'); choose another name, or pass "
+        "overwrite=True to replace it with 'tests.fixtures.envs:EchoEnv'."
+    )
+
+
+def test_reading_the_registry_imports_no_torch():
+    probe = (
+        "import sys; from envloop.environments import registry; "
+        "problems = registry.get_config_check('reward_model')({'batch_size': 0}); "
+        "print(len(problems), 'torch' in sys.modules, "
+        "registry.DEFAULT_ACTOR_OPTIONS == {'max_restarts': 3, 'max_task_retries': 3})"
+    )
+    child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert child.stdout.split() == ["1", "False", "True"], child.stderr
 
 
 @pytest.mark.ray
