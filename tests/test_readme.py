@@ -87,7 +87,7 @@ def test_links_to_the_contract_reach_its_sections():
 
 
 def test_check_env_on_the_readme_echo_asks_for_sample_metadata(tmp_path, monkeypatch, capsys):
-    from envloop.cli import main
+    from envloop.cli.main import main
 
     code = python_blocks(README.read_text(encoding="utf-8"))[0][1]
     (tmp_path / "readme_echo.py").write_text(code[: code.index("\npolicy = ")])

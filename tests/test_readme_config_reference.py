@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from envloop.run_config import config_reference_table
+from envloop.run.config import config_reference_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,5 +18,5 @@ def test_readme_config_reference_is_in_sync():
     assert match, "README.md lost its config-reference markers"
     assert match.group(1).strip() == config_reference_table().strip(), (
         "README config reference is stale; regenerate it from "
-        "envloop.run_config.config_reference_table()"
+        "envloop.run.config.config_reference_table()"
     )

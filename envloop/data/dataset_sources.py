@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.data.jsonl import read_json_objects
 
 FORMATS = ("jsonl", "parquet", "hf_disk", "hf_hub")

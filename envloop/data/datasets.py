@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
+from envloop.data.dataset_config import DataConfig
 from envloop.data.dataset_sources import Source, read_source
-from envloop.run_config_sections import DataConfig
 
 if TYPE_CHECKING:
     from envloop.distributed.batched_data_dict import BatchedDataDict

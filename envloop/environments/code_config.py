@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from envloop.config_errors import typed_dict_problems
+from envloop.config.errors import typed_dict_problems
 from envloop.environments.code_sandbox import SandboxLimits
 
 

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, TypedDict
 
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.answer_extraction import extract_tag

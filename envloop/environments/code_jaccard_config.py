@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypedDict
 
-from envloop.config_errors import typed_dict_problems
+from envloop.config.errors import typed_dict_problems
 
 
 class CodeJaccardEnvConfig(TypedDict, total=False):

@@ -22,7 +22,7 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import NotRequired
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.code_jaccard_config import (

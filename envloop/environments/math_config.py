@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, TypedDict
 
-from envloop.config_errors import typed_dict_problems
+from envloop.config.errors import typed_dict_problems
 
 VerifierType = Literal["math", "english_multichoice", "multilingual_multichoice", "dapo"]
 MathVerifyImpl = Literal["hf_math_verify", "dapo_math_verify"]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from typing_extensions import NotRequired
 
-from envloop.import_paths import import_from_path
+from envloop.config.import_paths import import_from_path
 
 if TYPE_CHECKING:
     from envloop.environments.interfaces import EnvironmentInterface

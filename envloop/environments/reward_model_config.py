@@ -14,7 +14,7 @@ three groups:
     accepted, never rejected, and the environment names those present in one
     :class:`UnusedConfigWarning` when it is constructed. The contents of ``dtensor_cfg`` and
     ``generation`` are not checked: nothing in them is read.
-(c) **Anything else** fails in one :class:`~envloop.config_errors.ConfigError` that lists
+(c) **Anything else** fails in one :class:`~envloop.config.errors.ConfigError` that lists
     every bad key with its dotted path and a close match ("did you mean").
 
 Each key's description is its comment below and its default is in :data:`DEFAULTS`
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.environments.reward_model_checks import (
     PRECISIONS,
     UnusedConfigWarning,
@@ -147,7 +147,7 @@ invalid; use 1 or more']
 
 def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
     """``config`` over :data:`DEFAULTS` (None = defaults), aliases resolved; one
-    :class:`~envloop.config_errors.ConfigError` lists every problem.
+    :class:`~envloop.config.errors.ConfigError` lists every problem.
 
     >>> validate_config({"batch_size": 8})["batch_size"], validate_config()["precision"]
     (8, 'bfloat16')

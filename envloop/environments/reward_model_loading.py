@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from envloop.demo import resolve_model
+from envloop.models.bundled import resolve_model
 from envloop.models.tokenizers import get_tokenizer
 
 

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 from typing_extensions import NotRequired, TypedDict
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config.errors import ConfigError, typed_dict_problems
+from envloop.config.import_paths import import_from_path
 from envloop.environments.registry import unknown_name_message
 from envloop.environments.reward_functions import (
     Score,
@@ -40,7 +41,6 @@ from envloop.environments.reward_functions import (
     math_expr,
     parse_box,
 )
-from envloop.import_paths import import_from_path
 
 RewardFn = Callable[..., Sequence[Score]]
 """``fn(responses: list[str], ground_truths: list[Any], **kwargs) -> B Score pairs``."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from typing_extensions import TypedDict
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.environments.rewards import RewardFunctionConfig, reward_config_problems
 
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from envloop.config_errors import ConfigError, config_from_mapping
+from envloop.config.errors import ConfigError, config_from_mapping
 
 if TYPE_CHECKING:
     from envloop.experience.rollout_metrics import RolloutProgress

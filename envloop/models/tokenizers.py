@@ -18,9 +18,9 @@ from typing import Any
 
 from typing_extensions import NotRequired, TypedDict
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES
-from envloop.demo import BUNDLED_PREFIX, resolve_model
+from envloop.models.bundled import BUNDLED_PREFIX, resolve_model
 from envloop.models.tokenizer_classes import remember_class, remembered_class
 
 __all__ = [
@@ -87,11 +87,11 @@ def get_tokenizer(
     :func:`configure_tokenizer` (NeMo-RL's ``algorithms.utils.get_tokenizer``).
 
     ``name`` is a local folder, a hub id (``org/name``; needs the hub or its local cache) or
-    ``bundled:<name>`` (a bundled demo model, see :mod:`envloop.demo`). ``trust_remote_code``
-    is not passed (see the module docstring). ``get_processor=True`` (a vision-language
-    processor) is not supported yet and raises ValueError. A config with unknown keys or
-    wrong types raises :class:`~envloop.config_errors.ConfigError`; a name that cannot be
-    loaded raises OSError naming it.
+    ``bundled:<name>`` (a bundled demo model, see :mod:`envloop.models.bundled`).
+    ``trust_remote_code`` is not passed (see the module docstring). ``get_processor=True``
+    (a vision-language processor) is not supported yet and raises ValueError. A config with
+    unknown keys or wrong types raises :class:`~envloop.config.errors.ConfigError`; a name
+    that cannot be loaded raises OSError naming it.
     """
     if get_processor:
         raise ValueError(

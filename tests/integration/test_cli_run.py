@@ -10,10 +10,10 @@ import pytest
 import yaml
 from transformers import AutoTokenizer
 
-from envloop.cli import main
+from envloop.cli.main import main
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.environments.games.sliding_puzzle import initial_prompt, new_episode_metadata
-from envloop.run_outputs import read_rollouts
+from envloop.run.outputs import read_rollouts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

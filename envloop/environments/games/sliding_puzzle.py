@@ -22,7 +22,7 @@ from typing import Any, TypedDict
 
 import torch
 
-from envloop.config_errors import ConfigError, typed_dict_problems
+from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.answer_extraction import extract_tag
 from envloop.environments.games.sliding_puzzle_board import (

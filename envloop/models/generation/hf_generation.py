@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from envloop.config_errors import ConfigError, config_from_mapping
-from envloop.demo import resolve_model
+from envloop.config.errors import ConfigError, config_from_mapping
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.bundled import resolve_model
 from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
 from envloop.models.generation.generation_batches import (
     build_output,
@@ -45,13 +45,13 @@ class HfGenerationConfig:
     >>> HfGenerationConfig(model_name="m", temperature=0, num_workers=0)
     Traceback (most recent call last):
     ...
-    envloop.config_errors.ConfigError: Invalid HfGenerationConfig:
+    envloop.config.errors.ConfigError: Invalid HfGenerationConfig:
       - temperature: 0 must be a number > 0 (use generate(..., greedy=True) for argmax)
       - num_workers: 0 must be an int >= 1
     """
 
     model_name: str
-    """Local folder, hub id or ``bundled:<name>`` (see :mod:`envloop.demo`), loaded with
+    """Local folder, hub id or ``bundled:<name>`` (see :mod:`envloop.models.bundled`), loaded with
     ``AutoModelForCausalLM.from_pretrained``."""
     tokenizer_name: str | None = None
     """Folder, hub id or ``bundled:<name>`` of the tokenizer; None uses ``model_name``."""

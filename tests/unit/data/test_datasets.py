@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
+from envloop.data.dataset_config import ColumnsConfig, DataConfig
 from envloop.data.dataset_sources import detect_format
 from envloop.data.datasets import PromptSample, build_rollout_batch, load_prompt_samples
 from envloop.data.llm_message_utils import get_formatted_message_log
-from envloop.run_config_sections import ColumnsConfig, DataConfig
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": "5", "kind": "math", "extra": {"level": 1}},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from envloop.cli import main
+from envloop.cli.main import main
 from envloop.demo.tasks import demo_rows
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

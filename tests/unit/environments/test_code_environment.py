@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
 from envloop.environments.code_environment import CodeEnvironment

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.env_fields import env_config_fields
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.env_introspection import env_config_fields
 from envloop.environments.checker import check_env
 from envloop.environments.code_jaccard_environment import (
     CodeJaccardEnvConfig,

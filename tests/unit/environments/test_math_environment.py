@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
 from envloop.environments.math_checks import STRING_CHECKS

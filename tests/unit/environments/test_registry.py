@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.environments.registry import (
     BUILTIN_CONFIG_CHECKS,
     BUILTIN_ENVS,

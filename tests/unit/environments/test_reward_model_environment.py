@@ -14,10 +14,10 @@ import yaml
 from safetensors.torch import save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from envloop.config_errors import ConfigError
+from envloop.config.env_fields import env_config_problems
+from envloop.config.errors import ConfigError
 from envloop.data.packing import ALGORITHMS
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.env_introspection import env_config_problems
 from envloop.environments import check_env, reward_model_environment
 from envloop.environments.reward_model_batching import plan_batches, score_sequences
 from envloop.environments.reward_model_checks import round_up

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.environments.rewards import (
     RewardOutcome,
     bbox_giou,

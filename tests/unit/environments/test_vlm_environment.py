@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments import check_env
 from envloop.environments.registry import create_env, register_env

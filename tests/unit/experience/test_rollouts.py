@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.experience.rollouts import (
     EnvironmentStepError,
     calculate_rewards,

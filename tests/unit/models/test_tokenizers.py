@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES, render_chat
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.demo import bundled_path

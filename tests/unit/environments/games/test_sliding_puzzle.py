@@ -6,7 +6,7 @@ from functools import cache
 
 import pytest
 
-from envloop.config_errors import ConfigError
+from envloop.config.errors import ConfigError
 from envloop.environments import check_env
 from envloop.environments.games.sliding_puzzle import (
     DEFAULT_CONFIG,

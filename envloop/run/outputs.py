@@ -1,0 +1,114 @@
+"""The files of a run directory: ``config.yaml``, ``rollouts.jsonl``, ``rollouts.parquet``
+and ``metrics.json`` (layout: :mod:`envloop.run.files`, which reads them back).
+
+``rollouts.parquet`` holds the JSONL columns (``rewards`` and ``extra_env_info`` as JSON
+strings ``rewards_json`` / ``extra_env_info_json``, since their keys vary by task;
+``initial_extra_env_info`` likewise) plus per-token columns a trainer reads directly,
+aligned with ``input_ids``: ``generation_logprobs`` (0 outside generated tokens),
+``loss_mask`` (1 on generated tokens) and ``message_token_counts``. Both rollout files
+are appended batch by batch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from envloop.run.files import CONFIG_FILE, METRICS_FILE, ROLLOUTS_FILE
+from envloop.run.records import TOKEN_KEYS, jsonable
+
+PARQUET_FILE = "rollouts.parquet"
+_JSON_COLUMNS = ("rewards", "extra_env_info", "initial_extra_env_info")
+_MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("num_tokens", pa.int32()),
+     ("reward", pa.float64())]
+)  # fmt: skip
+PARQUET_SCHEMA = pa.schema(
+    [
+        ("sample", pa.int64()), ("idx", pa.int64()), ("task", pa.string()),
+        ("generation", pa.int64()), ("messages", pa.list_(_MESSAGE)),
+        ("total_reward", pa.float64()), ("rewards_json", pa.string()),
+        ("turn_rewards", pa.list_(pa.float64())), ("num_turns", pa.int64()),
+        ("truncated", pa.bool_()), ("terminated", pa.bool_()), ("error", pa.string()),
+        ("loss_multiplier", pa.float64()), ("ground_truth", pa.string()),
+        ("extra_env_info_json", pa.string()), ("initial_extra_env_info_json", pa.string()),
+        ("input_ids", pa.list_(pa.int64())),
+        ("generation_logprobs", pa.list_(pa.float32())), ("loss_mask", pa.list_(pa.int8())),
+        ("message_token_counts", pa.list_(pa.int32())),
+    ]
+)  # fmt: skip
+
+
+class RunWriter:
+    """Writes one run directory; use as a context manager, ``add`` each batch's records
+    (:func:`envloop.run.records.sample_records`), then ``write_metrics``."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in (ROLLOUTS_FILE, PARQUET_FILE, METRICS_FILE, "report.html"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        self._jsonl = (self.run_dir / ROLLOUTS_FILE).open("w", encoding="utf-8")
+        self._parquet = pq.ParquetWriter(self.run_dir / PARQUET_FILE, PARQUET_SCHEMA)
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        """``config.yaml``: the resolved config, sections in order."""
+        text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+        (self.run_dir / CONFIG_FILE).write_text(text, encoding="utf-8")
+
+    def add(self, records: list[dict[str, Any]]) -> None:
+        """Append records to both rollout files (flushed, so a crash keeps what is done)."""
+        for record in records:
+            line = {k: v for k, v in record.items() if k not in TOKEN_KEYS}
+            self._jsonl.write(json.dumps(line, ensure_ascii=False) + "\n")
+        self._jsonl.flush()
+        if records:
+            rows = [_parquet_row(r) for r in records]
+            self._parquet.write_table(pa.Table.from_pylist(rows, schema=PARQUET_SCHEMA))
+
+    def write_metrics(self, metrics: dict[str, Any]) -> None:
+        """``metrics.json``."""
+        text = json.dumps(jsonable(metrics), indent=2)
+        (self.run_dir / METRICS_FILE).write_text(text + "\n", encoding="utf-8")
+
+    def close(self) -> None:
+        self._jsonl.close()
+        self._parquet.close()
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The samples of ``rollouts.parquet``, shaped as the JSONL records (``rewards`` and
+    ``extra_env_info`` decoded, ``reward`` only on messages that have one) plus the token
+    columns ``input_ids``, ``generation_logprobs``, ``loss_mask``, ``message_token_counts``.
+    """
+    path = Path(run_dir) / PARQUET_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
+    records = []
+    for row in pq.read_table(path).to_pylist():
+        for name in _JSON_COLUMNS:
+            row[name] = json.loads(row.pop(f"{name}_json"))
+        row["messages"] = [
+            {k: v for k, v in m.items() if k != "reward" or v is not None} for m in row["messages"]
+        ]
+        records.append(row)
+    return records
+
+
+def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
+    row = {k: v for k, v in record.items() if k not in _JSON_COLUMNS}
+    for name in _JSON_COLUMNS:
+        row[f"{name}_json"] = json.dumps(record[name], ensure_ascii=False)
+    row["messages"] = [{**m, "reward": m.get("reward")} for m in record["messages"]]
+    return row

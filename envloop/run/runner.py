@@ -1,0 +1,168 @@
+"""``envloop run``: a config in, a run directory out.
+
+The steps: load and tokenize the prompts, checked against ``rollout.max_seq_len``
+(:mod:`envloop.run.preflight`) -> start (or join) Ray -> start one environment actor per
+task -> load the policy meanwhile -> wait for the actors (each start-up phase timed into
+``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples at a time
+(progress while generating and after each turn), appending to the rollout files -> each
+environment's ``global_post_process_and_metrics`` -> ``metrics.json``.
+The command line then prints the summary table and builds ``report.html``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.rollout_metrics import PhaseTimer
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
+from envloop.run.config import RunConfig
+from envloop.run.config_checks import resolve_model
+from envloop.run.config_sections import PolicyConfig, RayConfig
+from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
+from envloop.run.metrics import (
+    TaskStats,
+    combine_rollout_metrics,
+    per_task_metrics,
+    startup_metrics,
+)
+from envloop.run.outputs import RunWriter
+from envloop.run.preflight import RunInputs, prepare_inputs
+from envloop.run.progress import Progress
+from envloop.run.records import TOKEN_KEYS, sample_records
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced."""
+
+    run_dir: Path
+    stats: dict[str, TaskStats]  # per task: samples, mean reward, mean turns
+    metrics: dict[str, Any]  # what metrics.json holds
+
+
+def run(
+    config: RunConfig,
+    *,
+    quiet: bool = False,
+    stream: IO[str] | None = None,
+    inputs: RunInputs | None = None,
+) -> RunResult:
+    """Run ``config`` (see the module docstring); progress goes to ``stream`` (stdout).
+    ``inputs``: the prompts already checked and tokenized by
+    :func:`~envloop.run.preflight.prepare_inputs` (else done here, before Ray starts)."""
+    out = stream if stream is not None else sys.stdout
+    started = time.perf_counter()
+    inputs = inputs if inputs is not None else prepare_inputs(config)
+    tasks = ", ".join(config.envs)
+    prompts = f"{len(inputs.samples)} prompt{'s' * (len(inputs.samples) != 1)}"
+    out.write(f"{prompts} from {config.data.path}, tasks: {tasks}\n")
+    startup = PhaseTimer()  # its phases go to metrics.json's "startup"
+    startup.seconds["prompt_tokenization"] = inputs.seconds
+    with startup.phase("ray"):
+        ray_started = start_ray(config.ray)
+    policy: HfGeneration | None = None
+    envs: dict[str, Any] = {}
+    try:
+        with startup.phase("envs_launch"):
+            envs = start_envs(config.envs)  # they start while the policy loads
+        with startup.phase("policy_load"):
+            policy = make_policy(config.policy)
+        batch = inputs.rollout_batch(config)  # tokenized before Ray started
+        with startup.phase("envs_wait"):
+            wait_until_ready(envs, config.envs)
+        progress = Progress(batch.size, out, quiet)
+        policy.on_decode_step = progress.on_tokens  # a live token count while it generates
+        return _roll_out(config, policy, batch, envs, progress, started, startup)
+    finally:
+        stop_envs(envs)
+        if policy is not None:
+            policy.shutdown()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+
+
+def make_policy(policy: PolicyConfig) -> HfGeneration:
+    """The policy of ``policy`` (``bundled:`` paths resolved)."""
+    tokenizer = resolve_model(policy.tokenizer) if policy.tokenizer else None
+    return HfGeneration(
+        HfGenerationConfig(
+            model_name=resolve_model(policy.model),
+            tokenizer_name=tokenizer,
+            device=policy.device,
+            dtype=policy.dtype,
+            temperature=policy.temperature,
+            top_p=policy.top_p,
+            top_k=policy.top_k,
+            max_new_tokens=policy.max_new_tokens,
+            micro_batch_size=policy.micro_batch_size,
+            seed=policy.seed,
+            num_workers=policy.num_workers,
+            cpu_threads=policy.cpu_threads,
+        )
+    )
+
+
+def start_ray(ray_config: RayConfig) -> bool:
+    """Join or start Ray; True when this call started a local session (to shut down
+    later). A local session's workers get the current directory on their PYTHONPATH, so
+    environments given as ``module:Class`` import there as they do here."""
+    import ray
+
+    from envloop.distributed.ray_utils import init_ray
+
+    if ray.is_initialized():
+        return False
+    if not (ray_config.address or os.environ.get("RAY_ADDRESS")):
+        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    init_ray(ray_config.address, ray_config.num_cpus, log_to_driver=ray_config.log_to_driver)
+    return True
+
+
+def _roll_out(
+    config: RunConfig,
+    policy: HfGeneration,
+    batch: BatchedDataDict[Any],
+    envs: dict[str, Any],
+    progress: Progress,
+    started: float,
+    startup: PhaseTimer,
+) -> RunResult:
+    rollout, parts, kept = config.rollout, [], []
+    with RunWriter(config.output.dir) as writer:
+        writer.write_config(config.to_dict())
+        progress.start()
+        for start in range(0, batch.size, rollout.batch_size):
+            part = batch.slice(start, start + rollout.batch_size)
+            final, metrics = run_multi_turn_rollout(
+                policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns,
+                greedy=rollout.greedy, observation_format=rollout.observation_format,
+                on_env_error=rollout.on_env_error, env_step_timeout_s=rollout.env_step_timeout_s,
+                on_turn=progress.on_turn,
+            )  # fmt: skip
+            records = sample_records(final, start)
+            writer.add(records)
+            progress.update(
+                records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
+            )
+            parts.append((metrics, part.size))
+            kept += [{k: v for k, v in r.items() if k not in TOKEN_KEYS} for r in records]
+        progress.close()
+        metrics = {
+            "rollout": combine_rollout_metrics(parts),
+            "envs": env_metrics(envs, kept),
+            "per_task": per_task_metrics(progress.stats),
+            "startup": startup_metrics(startup),
+            "wall_time_s": time.perf_counter() - started,
+        }
+        writer.write_metrics(metrics)
+    return RunResult(Path(config.output.dir), progress.stats, metrics)

@@ -1,0 +1,49 @@
+"""Config errors report every problem at once, each naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from envloop.config.errors import ConfigError, config_from_mapping
+from envloop.experience.rollout_options import RolloutOptions
+from envloop.models.generation.hf_generation import HfGenerationConfig
+
+
+def test_unknown_keys_and_bad_values_together():
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(
+            RolloutOptions,
+            {"observation_fromat": "raw", "on_env_error": "ignore", "env_max_retries": -1},
+            "rollout options",
+        )
+    assert info.value.problems == [
+        "observation_fromat: unknown option. Did you mean 'observation_format'?",
+        "on_env_error: 'ignore' is not one of record, raise",
+        "env_max_retries: -1 must be an int >= 0",
+    ]
+    assert str(info.value).startswith("Invalid rollout options:\n  - observation_fromat")
+
+
+def test_missing_required_field_is_named():
+    with pytest.raises(ConfigError) as info:
+        HfGenerationConfig.from_dict({"seed": 1, "colour": "red"})
+    assert info.value.problems == [
+        "colour: unknown option. Known: "
+        + ", ".join(f for f in HfGenerationConfig.__dataclass_fields__)
+        + ".",
+        "model_name: required",
+    ]
+
+
+def test_valid_mapping_builds_the_config():
+    assert (
+        config_from_mapping(RolloutOptions, {"env_step_timeout_s": 2}, "x").env_step_timeout_s == 2
+    )
+
+
+def test_config_error_survives_pickling():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ConfigError("MathEnvConfig", ["num_workers: must be >= 1"])))
+    assert error.problems == ["num_workers: must be >= 1"]
+    assert str(error) == "Invalid MathEnvConfig:\n  - num_workers: must be >= 1"
