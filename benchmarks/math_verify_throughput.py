@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from math_verify import parse, verify
 
 from envloop.environments.math_environment import MathEnvironment
-from envloop.environments.math_verification import MathVerifier
+from envloop.environments.common.math_verification import MathVerifier
 
 Pair = tuple[str, str]
 REASONING = [

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from envloop.environments.reward_model_batching import plan_batches
+from envloop.environments.reward_model.batching import plan_batches
 from envloop.environments.reward_model_environment import RewardModelEnvironment
 from envloop.models.tiny import TRAINING_CORPUS
 from tests.fixtures.tiny_reward_model import save_tiny_reward_model

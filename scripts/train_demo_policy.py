@@ -42,7 +42,7 @@ from envloop.data.tokenization import tokenize_texts
 from envloop.demo import ASSETS, tasks
 from envloop.environments.games.sliding_puzzle import SlidingPuzzleEnv, initial_prompt
 from envloop.environments.games.sliding_puzzle_board import legal_moves
-from envloop.environments.reward_model_batching import pad_sequences
+from envloop.environments.reward_model.batching import pad_sequences
 from envloop.models.tiny import train_chatml_tokenizer
 
 CORRECT, INCORRECT = "Environment: correct", "Environment: incorrect"

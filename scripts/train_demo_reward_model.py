@@ -42,7 +42,7 @@ from transformers import (
 )
 
 from envloop.demo import ASSETS, tasks
-from envloop.environments.reward_model_batching import pad_sequences
+from envloop.environments.reward_model.batching import pad_sequences
 
 
 class Chat:

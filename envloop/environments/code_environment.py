@@ -1,7 +1,7 @@
 """``code``: the model runs Python in ``<code>...</code>``; tests in the metadata score the episode.
 
 Each turn the last ``<code>...</code>`` block of the response runs in a sandbox
-(:mod:`envloop.environments.code_sandbox`: its own process, time/CPU/memory/output limits, no
+(:mod:`envloop.environments.code.sandbox`: its own process, time/CPU/memory/output limits, no
 network, no host files; read its threat model) and the reply is ``<result>\\n...</result>``:
 what the code printed (stdout and stderr), the repr of its final expression's value when not
 None (as in a notebook), then the error as the traceback's last line(s) or why the run was
@@ -35,15 +35,15 @@ import torch
 from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.answer_extraction import extract_tag
-from envloop.environments.code_config import (
+from envloop.environments.code.config import (
     DEFAULTS,
     CodeEnvConfig,
     config_problems,
     sandbox_limits,
     with_defaults,
 )
-from envloop.environments.code_sandbox import run_cells
+from envloop.environments.code.sandbox import run_cells
+from envloop.environments.common.answer_extraction import extract_tag
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 
 __all__ = ["DEFAULTS", "CodeEnvConfig", "CodeEnvMetadata", "CodeEnvironment"]

@@ -2,7 +2,7 @@
 
 Each sample's last assistant message is compared with ``metadata["ground_truth"]``: the
 reward is the Jaccard similarity of their code tokens
-(:func:`~envloop.environments.code_similarity.code_jaccard`: fenced blocks if any, else the
+(:func:`~envloop.environments.code.similarity.code_jaccard`: fenced blocks if any, else the
 whole text; identifiers, numbers, string literals and operators as sets), in [0, 1]. It
 measures resemblance, not correctness: nothing runs (the ``code`` environment executes
 code against tests). The observation is ``"Environment: jaccard aligned (score: 0.83)"``
@@ -25,12 +25,12 @@ from typing_extensions import NotRequired
 from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.code_jaccard_config import (
+from envloop.environments.code.jaccard_config import (
     DEFAULTS,
     CodeJaccardEnvConfig,
     config_problems,
 )
-from envloop.environments.code_similarity import code_jaccard, code_tokens, extract_code
+from envloop.environments.code.similarity import code_jaccard, code_tokens, extract_code
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.utils import last_assistant_text
 

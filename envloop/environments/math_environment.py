@@ -6,14 +6,14 @@
 - ``math`` (default): with ``math_verify_impl: hf_math_verify`` (default), math-verify
   decides mathematical equivalence of the response's last ``\\boxed{}`` (or final expression)
   and the ground truth, in ``num_workers`` worker processes (see
-  :mod:`~envloop.environments.math_verification` for what is compared and how);
+  :mod:`~envloop.environments.common.math_verification` for what is compared and how);
   ``math_verify_impl: dapo_math_verify`` selects the DAPO check below.
 - ``dapo``: the last ``Answer: ...`` line, Minerva-normalised, equal as text to the
-  normalised ground truth (:mod:`~envloop.environments.dapo_answers`); the same check as
+  normalised ground truth (:mod:`~envloop.environments.math.dapo_answers`); the same check as
   ``verifier_type: math`` with ``math_verify_impl: dapo_math_verify``.
 - ``english_multichoice`` / ``multilingual_multichoice``: the letter after the last
   ``Answer:`` (or its translation) equals the ground-truth letter
-  (:mod:`~envloop.environments.multichoice_answers`).
+  (:mod:`~envloop.environments.math.multichoice_answers`).
 
 The DAPO and multiple-choice checks are plain string work, done in-process (no workers).
 
@@ -33,7 +33,7 @@ verdict, so an episode's total reward is 1.0 exactly when one of its attempts wa
 ``reward/format``, 1.0 when the response holds exactly one well-formed ``\\boxed{...}``.
 :class:`MathMultiRewardEnvironment` (``math_multi_reward``) scores ``<answer>`` tags instead.
 
-Timeouts are :class:`~envloop.environments.math_verification.MathVerifier`'s: a check is
+Timeouts are :class:`~envloop.environments.common.math_verification.MathVerifier`'s: a check is
 interrupted after ``verify_timeout_s`` inside its worker process (the sample scores 0, the
 worker goes on); a worker stuck beyond a signal's reach is killed after twice that and
 replaced, as is one that dies; only its own sample fails. ``math_env/timeouts`` counts them.
@@ -50,9 +50,11 @@ import torch
 from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.answer_extraction import extract_boxed, extract_tag
+from envloop.environments.common.answer_extraction import extract_boxed, extract_tag
+from envloop.environments.common.math_verification import MathVerifier, timed_out
+from envloop.environments.common.process_pool import HardTimeoutPool, Outcome
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from envloop.environments.math_checks import (
+from envloop.environments.math.checks import (
     STRING_CHECKS,
     Verdict,
     has_one_boxed_answer,
@@ -63,21 +65,19 @@ from envloop.environments.math_checks import (
     unchecked,
     verdict_text,
 )
-from envloop.environments.math_config import (
+from envloop.environments.math.config import (
     DEFAULTS,
     MathEnvConfig,
     checker_name,
     config_problems,
     multi_reward_config_problems,
 )
-from envloop.environments.math_verification import MathVerifier, timed_out
-from envloop.environments.process_pool import HardTimeoutPool, Outcome
 from envloop.environments.utils import last_assistant_text
 
 __all__ = ["DEFAULTS", "MathEnvConfig", "MathEnvironment", "MathMultiRewardEnvironment"]
 
 _select_extracted_answer = select_extracted_answer
-"""NeMo-RL's private name for :func:`~envloop.environments.math_checks.select_extracted_answer`
+"""NeMo-RL's private name for :func:`~envloop.environments.math.checks.select_extracted_answer`
 (its published tests import it from here)."""
 
 

@@ -95,7 +95,7 @@ def register_env(
 'envloop.environments.interfaces:EnvironmentInterface'; choose another name, or pass \
 overwrite=True to replace it with 'mypkg.envs.Echo'.
     >>> register_env("doc_math", "envloop.environments.math_environment:MathEnvironment",
-    ...              config_check="envloop.environments.math_config:config_problems")
+    ...              config_check="envloop.environments.math.config:config_problems")
     >>> get_config_check("doc_math")({"max_attempts": 0})
     ['max_attempts: must be at least 1, got 0']
     """
@@ -257,13 +257,13 @@ BUILTIN_ENVS: dict[str, str] = {
 ``math_default`` is NeMo-RL's other name for ``math``."""
 
 BUILTIN_CONFIG_CHECKS: dict[str, str] = {
-    "math": "envloop.environments.math_config:config_problems",
-    "math_default": "envloop.environments.math_config:config_problems",
-    "math_multi_reward": "envloop.environments.math_config:multi_reward_config_problems",
-    "vlm": "envloop.environments.vlm_config:config_problems",
-    "reward_model": "envloop.environments.reward_model_config:config_problems",
-    "code": "envloop.environments.code_config:config_problems",
-    "code_jaccard": "envloop.environments.code_jaccard_config:config_problems",
+    "math": "envloop.environments.math.config:config_problems",
+    "math_default": "envloop.environments.math.config:config_problems",
+    "math_multi_reward": "envloop.environments.math.config:multi_reward_config_problems",
+    "vlm": "envloop.environments.vlm.config:config_problems",
+    "reward_model": "envloop.environments.reward_model.config:config_problems",
+    "code": "envloop.environments.code.config:config_problems",
+    "code_jaccard": "envloop.environments.code.jaccard_config:config_problems",
     "sliding_puzzle": "envloop.environments.games.sliding_puzzle_config:config_problems",
 }
 """The config check of each of :data:`BUILTIN_ENVS`: torch-free functions that the

@@ -16,7 +16,7 @@ fixed-order, length-sorted within a token budget (``dynamic_batching``, see
 ``reward_model_batching``) or packed rows (``sequence_packing``, see
 ``reward_model_packing``); padding, batching and packing never change a score. Options,
 including which keys of a published NeMo-RL config are honoured and which only warned about:
-:mod:`envloop.environments.reward_model_config`.
+:mod:`envloop.environments.reward_model.config`.
 """
 
 from __future__ import annotations
@@ -30,16 +30,16 @@ import torch
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
-from envloop.environments.reward_model_batching import pad_sequences, plan_batches, score_sequences
-from envloop.environments.reward_model_checks import warn_unused
-from envloop.environments.reward_model_config import (
+from envloop.environments.reward_model.batching import pad_sequences, plan_batches, score_sequences
+from envloop.environments.reward_model.checks import warn_unused
+from envloop.environments.reward_model.config import (
     RewardModelEnvironmentConfig,
     config_problems,
     reward_model_ray_options,
     validate_config,
 )
-from envloop.environments.reward_model_loading import load_reward_model
-from envloop.environments.reward_model_packing import (
+from envloop.environments.reward_model.loading import load_reward_model
+from envloop.environments.reward_model.packing import (
     packing_problem,
     plan_packed_rows,
     score_packed,

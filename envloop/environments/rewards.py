@@ -1,6 +1,6 @@
 """Reward functions that score a batch of responses against ground truths, and their mix.
 
-(The built-in functions live in :mod:`envloop.environments.reward_functions`.)
+(The built-in functions live in :mod:`envloop.environments.vlm.reward_functions`.)
 
 A reward function is called as ``fn(responses, ground_truths, **kwargs)`` with B responses
 (str) and B ground truths, and returns B pairs ``(score, correct)``: ``score`` in [0, 1];
@@ -30,7 +30,7 @@ from typing_extensions import NotRequired, TypedDict
 from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.config.import_paths import import_from_path
 from envloop.environments.registry import unknown_name_message
-from envloop.environments.reward_functions import (
+from envloop.environments.vlm.reward_functions import (
     Score,
     bbox_giou,
     close_math_verifiers,

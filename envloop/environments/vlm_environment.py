@@ -18,6 +18,7 @@ from typing_extensions import NotRequired, TypedDict
 
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.common.worker_pool import WorkerPool
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.rewards import (
     RewardFunctionConfig,
@@ -27,13 +28,12 @@ from envloop.environments.rewards import (
     extract_answer,
 )
 from envloop.environments.utils import content_text, last_assistant_text
-from envloop.environments.vlm_config import (
+from envloop.environments.vlm.config import (
     DEFAULT_CONFIG,
     VLMEnvConfig,
     config_problems,
     validated_config,
 )
-from envloop.environments.worker_pool import WorkerPool
 
 __all__ = [
     "DEFAULT_CONFIG",

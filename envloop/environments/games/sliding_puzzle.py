@@ -24,7 +24,7 @@ import torch
 
 from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.answer_extraction import extract_tag
+from envloop.environments.common.answer_extraction import extract_tag
 from envloop.environments.games.sliding_puzzle_board import (
     generate,
     is_solved,

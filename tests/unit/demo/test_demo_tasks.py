@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from envloop.demo import tasks
-from envloop.environments.answer_extraction import extract_boxed
+from envloop.environments.common.answer_extraction import extract_boxed
+from envloop.environments.common.math_verification import math_equivalent
 from envloop.environments.games.sliding_puzzle_board import apply_move, is_solved
-from envloop.environments.math_verification import math_equivalent
 
 DEMO_DATA = Path(__file__).resolve().parents[3] / "examples" / "demo_data.jsonl"
 

@@ -10,11 +10,11 @@ from envloop.config.env_fields import env_config_fields
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
+from envloop.environments.code.similarity import code_jaccard, code_tokens, extract_code
 from envloop.environments.code_jaccard_environment import (
     CodeJaccardEnvConfig,
     CodeJaccardEnvironment,
 )
-from envloop.environments.code_similarity import code_jaccard, code_tokens, extract_code
 
 FENCED = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
 NO_TRUTH = "no ground_truth string in this sample's metadata"

@@ -15,17 +15,17 @@ import torch
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
-from envloop.environments.math_checks import STRING_CHECKS
-from envloop.environments.math_config import checker_name
+from envloop.environments.common.math_verification import math_equivalent
+from envloop.environments.common.process_pool import Outcome
+from envloop.environments.math.checks import STRING_CHECKS
+from envloop.environments.math.config import checker_name
+from envloop.environments.math.multichoice_answers import grade_choice
 from envloop.environments.math_environment import (
     DEFAULTS,
     MathEnvironment,
     MathMultiRewardEnvironment,
     _select_extracted_answer,
 )
-from envloop.environments.math_verification import math_equivalent
-from envloop.environments.multichoice_answers import grade_choice
-from envloop.environments.process_pool import Outcome
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import make_batch

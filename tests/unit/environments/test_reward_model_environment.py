@@ -19,19 +19,19 @@ from envloop.config.errors import ConfigError
 from envloop.data.packing import ALGORITHMS
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments import check_env, reward_model_environment
-from envloop.environments.reward_model_batching import plan_batches, score_sequences
-from envloop.environments.reward_model_checks import round_up
-from envloop.environments.reward_model_config import (
+from envloop.environments.reward_model.batching import plan_batches, score_sequences
+from envloop.environments.reward_model.checks import round_up
+from envloop.environments.reward_model.config import (
     DEFAULTS,
     UnusedConfigWarning,
     unused_keys,
     validate_config,
 )
+from envloop.environments.reward_model.packing import packing_problem, score_packed
 from envloop.environments.reward_model_environment import (
     RewardModelEnvironment,
     reward_model_ray_options,
 )
-from envloop.environments.reward_model_packing import packing_problem, score_packed
 from tests.fixtures.chat_templates import (
     CHATML_STRICT_ROLES_TEMPLATE,
     build_chatml_tokenizer,

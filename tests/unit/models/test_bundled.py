@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.reward_model_loading import load_reward_model
+from envloop.environments.reward_model.loading import load_reward_model
 from envloop.models.bundled import bundled_path, resolve_bundled, resolve_model
 from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
 

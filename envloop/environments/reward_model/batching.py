@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from envloop.environments.reward_model_checks import round_up
+from envloop.environments.reward_model.checks import round_up
 
 
 def plan_batches(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.dapo_answers import (
+from envloop.environments.math.dapo_answers import (
     extract_dapo_answer,
     grade_dapo,
     normalize_final_answer,

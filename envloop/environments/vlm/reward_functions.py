@@ -11,10 +11,10 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from envloop.environments.answer_extraction import extract_tag, has_tag_pair
+from envloop.environments.common.answer_extraction import extract_tag, has_tag_pair
 
 if TYPE_CHECKING:
-    from envloop.environments.math_verification import MathVerifier
+    from envloop.environments.common.math_verification import MathVerifier
 
 Score = tuple[float, bool | None]
 """One response's ``(score in [0, 1], correct or None)``."""
@@ -126,7 +126,7 @@ _VERIFIERS: dict[tuple[float, int], MathVerifier] = {}
 
 def _math_verifier(timeout_s: float, processes: int) -> MathVerifier:
     """This process's verifier for these settings, started on first use."""
-    from envloop.environments.math_verification import MathVerifier
+    from envloop.environments.common.math_verification import MathVerifier
 
     if (timeout_s, processes) not in _VERIFIERS:
         _VERIFIERS[(timeout_s, processes)] = MathVerifier(processes, timeout_s)

@@ -1,6 +1,6 @@
 """Run untrusted Python in a separate, locked-down process: the ``code`` environment's executor.
 
-:func:`run_cells` starts ``code_sandbox_child.py`` as a script (``python -S -s -B -P``) with
+:func:`run_cells` starts ``sandbox_child.py`` as a script (``python -S -s -B -P``) with
 an empty environment (only ``PATH``, ``LANG``, ``PYTHONHASHSEED``), sends it the cells and
 tests on stdin, and reads at most ``max_output_bytes`` of output until a wall-clock deadline;
 then it kills the child's whole process group. Before running any untrusted code the child
@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 if TYPE_CHECKING:  # the sandbox must not load subprocess: it would bypass the fork block
     import subprocess
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "code_sandbox_child.py")
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 _COMMAND = [sys.executable, "-S", "-s", "-B", "-P", _CHILD]
 _ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
 _STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_bytes

@@ -21,7 +21,7 @@ Each key's description is its comment below and its default is in :data:`DEFAULT
 (group (b) keys and ``logprob_batch_size`` have none: absent means unset). How aliases
 resolve (``batch_size`` / ``logprob_batch_size``, ``resources.gpus_per_node`` /
 ``num_gpus``, the deprecated ``dynamic_batching.max_tokens_per_batch``) is in
-:mod:`envloop.environments.reward_model_checks`. Ray actor resources are options of the
+:mod:`envloop.environments.reward_model.checks`. Ray actor resources are options of the
 actor, not of the environment: pass ``create_env("reward_model", cfg,
 **reward_model_ray_options(cfg))``.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any, TypedDict
 
 from envloop.config.errors import ConfigError, typed_dict_problems
-from envloop.environments.reward_model_checks import (
+from envloop.environments.reward_model.checks import (
     PRECISIONS,
     UnusedConfigWarning,
     resolve_aliases,

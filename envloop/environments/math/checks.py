@@ -7,11 +7,11 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from envloop.environments.answer_extraction import extract_boxed
-from envloop.environments.dapo_answers import grade_dapo
-from envloop.environments.math_verification import MathGrade
-from envloop.environments.multichoice_answers import grade_choice
-from envloop.environments.process_pool import Outcome
+from envloop.environments.common.answer_extraction import extract_boxed
+from envloop.environments.common.math_verification import MathGrade
+from envloop.environments.common.process_pool import Outcome
+from envloop.environments.math.dapo_answers import grade_dapo
+from envloop.environments.math.multichoice_answers import grade_choice
 
 CORRECT, INCORRECT = "Environment: correct", "Environment: incorrect"
 NO_GROUND_TRUTH = "no ground_truth in this sample's metadata"

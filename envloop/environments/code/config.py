@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any, TypedDict
 
 from envloop.config.errors import typed_dict_problems
-from envloop.environments.code_sandbox import SandboxLimits
+from envloop.environments.code.sandbox import SandboxLimits
 
 
 class CodeEnvConfig(TypedDict, total=False):

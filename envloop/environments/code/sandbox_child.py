@@ -1,4 +1,4 @@
-"""The sandbox process of :mod:`envloop.environments.code_sandbox` (run as a script).
+"""The sandbox process of :mod:`envloop.environments.code.sandbox` (run as a script).
 
 It reads one JSON request on stdin (working directory, uid/gid, limits, cells, tests),
 isolates itself with every layer the kernel allows (see ``code_sandbox``'s docstring for

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.math_verification import (
+from envloop.environments.common.math_verification import (
     MathGrade,
     MathVerifier,
     final_answer_text,
@@ -23,7 +23,7 @@ from envloop.environments.math_verification import (
     timed_out,
     warm_up,
 )
-from envloop.environments.reward_functions import close_math_verifiers, math_expr
+from envloop.environments.vlm.reward_functions import close_math_verifiers, math_expr
 
 MATRIX = r"\begin{pmatrix}1&2\\3&4\end{pmatrix}"
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from envloop.data.packing import pack_sequences
-from envloop.environments.reward_model_checks import round_up
+from envloop.environments.reward_model.checks import round_up
 
 PACKABLE_ATTENTION = ("eager", "sdpa")
 

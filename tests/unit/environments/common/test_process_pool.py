@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from envloop.environments.process_pool import HardTimeoutPool, Outcome
+from envloop.environments.common.process_pool import HardTimeoutPool, Outcome
 from tests.fixtures.pool_tasks import (
     square_or_misbehave,
     warm_up_marker,

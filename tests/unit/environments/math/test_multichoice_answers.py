@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.multichoice_answers import choice_key, extract_choice, grade_choice
+from envloop.environments.math.multichoice_answers import choice_key, extract_choice, grade_choice
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from envloop.environments import code_sandbox
-from envloop.environments.code_sandbox import RunResult, SandboxLimits, run_cells
+from envloop.environments.code import sandbox as code_sandbox
+from envloop.environments.code.sandbox import RunResult, SandboxLimits, run_cells
 
 # A generous wall-clock limit: on a loaded machine a run that must finish never meets it.
 # Tests that expect a limit provoke it deterministically: sleeping code for the wall clock

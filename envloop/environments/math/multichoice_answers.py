@@ -7,7 +7,7 @@ in-process; every pattern is linear-time.
 
 How a response is read:
 
-1. Thinking is dropped (:func:`~envloop.environments.answer_extraction.after_thinking`).
+1. Thinking is dropped (:func:`~envloop.environments.common.answer_extraction.after_thinking`).
 2. The text is NFKC-normalised (full-width ``Ａ``/``：`` become ``A``/``:``), zero-width
    characters are dropped, and markdown and LaTeX wrappers (``**``, ``$``, ``\\boxed{``,
    ``\\text{``, braces, ...) are removed, so ``**Answer:** $\\boxed{C}$`` reads ``Answer: C``.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from envloop.environments.answer_extraction import after_thinking, last_match
+from envloop.environments.common.answer_extraction import after_thinking, last_match
 
 ANSWER_WORDS: tuple[str, ...] = (
     "Answer",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.environments.worker_pool import WorkerPool
+from envloop.environments.common.worker_pool import WorkerPool
 from tests.fixtures.pool_tasks import Tagger
 
 

@@ -4,7 +4,7 @@
 balanced), read as one whole expression; a response without a box is read as free text
 (math-verify's "answer is ..." and final-expression patterns). Text inside ``<think>``
 ... ``</think>`` is never the answer (see
-:func:`~envloop.environments.answer_extraction.after_thinking`): a box drafted while thinking
+:func:`~envloop.environments.common.answer_extraction.after_thinking`): a box drafted while thinking
 loses to the answer given after it, and unfinished thinking gives no answer. The ground truth
 is read whole as if boxed (its own last ``\\boxed{}`` when it has one).
 
@@ -31,7 +31,7 @@ is read whole as if boxed (its own last ``\\boxed{}`` when it has one).
 **Processes and timeouts.** math-verify times itself out with ``signal.alarm``, which fails
 off a process's main thread (thread pools, threaded or async Ray actors). :class:`MathVerifier`
 runs every check on the main thread of a worker process of a
-:class:`~envloop.environments.process_pool.HardTimeoutPool`:
+:class:`~envloop.environments.common.process_pool.HardTimeoutPool`:
 
 - each worker warms up before taking checks (:func:`warm_up`: math-verify's LaTeX parser
   and sympy's first simplifications cost about a second), so a sample's time limit covers
@@ -58,8 +58,8 @@ from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, veri
 from math_verify.grader import is_assignment_relation, is_equation, take_first_relation
 from sympy import Basic
 
-from envloop.environments.answer_extraction import after_thinking, extract_boxed
-from envloop.environments.process_pool import HardTimeoutPool, Outcome
+from envloop.environments.common.answer_extraction import after_thinking, extract_boxed
+from envloop.environments.common.process_pool import HardTimeoutPool, Outcome
 
 # math-verify warns once per process that its own timeouts are off: deliberate here.
 logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from envloop.environments.answer_extraction import after_thinking, last_match
+from envloop.environments.common.answer_extraction import after_thinking, last_match
 
 UNITS: tuple[str, ...] = (
     *("square", "ways", "integers", "dollars", "mph", "inches", "inch", "hours", "hour"),
