@@ -72,10 +72,17 @@ def env_config_fields(cls: type) -> list[EnvConfigField]:
     spec = env_config_spec(cls)
     if spec is None:
         return []
-    hints, defaults, helps = typing.get_type_hints(spec), env_defaults(cls), _field_comments(spec)
+    from envloop.config.validation import declared_fields
+
+    defaults, helps = env_defaults(cls), _field_comments(spec)
     return [
-        EnvConfigField(name, type_name(hint), defaults.get(name), helps.get(name, ""))
-        for name, hint in hints.items()
+        EnvConfigField(
+            f.name,
+            type_name(f.annotation),
+            f.default if f.default is not None else defaults.get(f.name),
+            f.description or helps.get(f.name, ""),
+        )
+        for f in declared_fields(spec)
     ]
 
 

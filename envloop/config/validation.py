@@ -1,0 +1,293 @@
+"""Declaring and validating configs: one mechanism (pydantic v2) for every config.
+
+A config is a TypedDict (the published interface's environment configs are) whose fields are
+declared once, with their default, constraints and one-line description::
+
+    class PuzzleConfig(TypedDict, total=False):
+        size: Annotated[int, Field(3, ge=2, description="N of an N x N puzzle")]
+
+:func:`validated` returns a plain mapping with the defaults filled in, or raises one
+:class:`~envloop.config.errors.ConfigError` listing every problem with its dotted key, in
+envloop's wording (``size: must be >= 2, got 1``; ``sise: unknown option. Did you mean
+'size'?``). Validation is strict: YAML's ``2`` is an int, ``"2"`` is not, and ``true`` is
+not a number. :func:`declared_fields` and :func:`declared_defaults` read the declarations
+(``envloop envs`` and the README's config reference show them).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import typing_extensions
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from envloop.config.errors import ConfigError
+
+__all__ = [
+    "DeclaredField",
+    "config_problems",
+    "declared_defaults",
+    "declared_fields",
+    "validated",
+]
+
+STRICT = ConfigDict(strict=True, extra="forbid")
+"""How every config is validated: no coercion, no unknown keys."""
+
+
+@dataclass(frozen=True)
+class DeclaredField:
+    """One field of a config, as declared."""
+
+    name: str
+    annotation: Any  # the type, without its Annotated metadata
+    default: Any  # None when the field declares none
+    description: str  # "" when the field declares none
+    required: bool
+
+
+def validated(spec: type, config: Any, what: str | None = None) -> dict[str, Any]:
+    """``config`` (a mapping; None: every default) checked against TypedDict ``spec``, with
+    the declared defaults filled in. Raises :class:`ConfigError` (``what``, default the
+    spec's name) listing every problem.
+
+    >>> from envloop.environments.code.jaccard_config import CodeJaccardEnvConfig
+    >>> validated(CodeJaccardEnvConfig, {"num_workers": 2})
+    {'num_workers': 2, 'stop_strings': None, 'alignment_threshold': 0.5}
+    >>> validated(CodeJaccardEnvConfig, {"num_workers": 0, "alignment_treshold": 0.2})
+    Traceback (most recent call last):
+    ...
+    envloop.config.errors.ConfigError: Invalid CodeJaccardEnvConfig:
+      - num_workers: must be >= 1, got 0
+      - alignment_treshold: unknown option. Did you mean 'alignment_threshold'?
+    """
+    try:
+        return dict(_adapter(spec).validate_python({} if config is None else config))
+    except ValidationError as exc:
+        raise ConfigError(what or spec.__name__, _problems(spec, exc)) from None
+
+
+def config_problems(spec: type, config: Any) -> list[str]:
+    """Every problem of ``config`` against ``spec`` (see :func:`validated`); [] if none."""
+    try:
+        validated(spec, config)
+    except ConfigError as exc:
+        return exc.problems
+    return []
+
+
+def declared_fields(spec: type) -> list[DeclaredField]:
+    """Every field of TypedDict ``spec``, in declaration order."""
+    hints = typing.get_type_hints(spec, include_extras=True)
+    required: frozenset[str] = getattr(spec, "__required_keys__", frozenset())
+    fields = []
+    for name, hint in hints.items():
+        info = _field_info(hint)
+        default = None if info is None or info.default is PydanticUndefined else info.default
+        description = (info.description or "") if info is not None else ""
+        bare = typing.get_args(hint)[0] if _is_annotated(hint) else hint
+        fields.append(DeclaredField(name, bare, default, description, name in required))
+    return fields
+
+
+def declared_defaults(spec: type) -> dict[str, Any]:
+    """The declared defaults of ``spec``'s fields (fields without one are left out)."""
+    return {f.name: f.default for f in declared_fields(spec) if _has_default(spec, f.name)}
+
+
+@functools.cache
+def _adapter(spec: type) -> TypeAdapter[Any]:
+    _make_strict(spec)
+    return TypeAdapter(spec)
+
+
+def _make_strict(spec: Any) -> None:
+    """Give ``spec`` and the TypedDicts inside it :data:`STRICT` unless they declare their own
+    pydantic config (pydantic reads a TypedDict's config from the class)."""
+    spec = _strip(spec)
+    if typing_extensions.is_typeddict(spec):
+        if "__pydantic_config__" not in vars(spec):
+            spec.__pydantic_config__ = STRICT
+        for hint in typing.get_type_hints(spec, include_extras=True).values():
+            _make_strict(hint)
+    for arg in typing.get_args(spec):
+        if not isinstance(arg, (str, int, float, bool)) and arg is not None:
+            _make_strict(arg)
+
+
+def _has_default(spec: type, name: str) -> bool:
+    info = _field_info(typing.get_type_hints(spec, include_extras=True)[name])
+    return info is not None and info.default is not PydanticUndefined
+
+
+def _is_annotated(hint: Any) -> bool:
+    return typing.get_origin(hint) is typing.Annotated
+
+
+def _field_info(hint: Any) -> FieldInfo | None:
+    if not _is_annotated(hint):
+        return None
+    return next((m for m in hint.__metadata__ if isinstance(m, FieldInfo)), None)
+
+
+# --- pydantic's errors in envloop's wording -------------------------------------------------
+
+
+def _problems(spec: type, exc: ValidationError) -> list[str]:
+    """One line per bad key; the several errors of a union's members become one."""
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for error in exc.errors(include_url=False):
+        key, annotation, siblings = _resolve(spec, error["loc"])
+        if key in by_key:  # another member of a union failed too: name the whole union
+            named = set(re.split(r"[.\[\]]", key))
+            annotation = _resolve(spec, tuple(s for s in error["loc"] if str(s) in named))[1]
+            by_key[key][0]["annotation"] = annotation
+        by_key.setdefault(key, []).append({**error, "annotation": annotation, "known": siblings})
+    return [_line(key, errors) for key, errors in by_key.items()]
+
+
+def _line(key: str, errors: list[dict[str, Any]]) -> str:
+    first = errors[0]
+    if len(errors) > 1 or first["type"].endswith(("_type", "_parsing")) or first["type"] in (
+        "is_instance_of", "none_required", "model_attributes_type", "dict_type"
+    ):  # fmt: skip
+        message = _expected(first["annotation"], first["input"])
+    else:
+        message = _message(first)
+    return f"{key}: {message}" if key else message
+
+
+def _message(error: dict[str, Any]) -> str:
+    kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
+    bounds = {
+        "greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=",
+        "less_than": "<",
+    }  # fmt: skip
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit}, got {value!r}"
+    if kind == "extra_forbidden":
+        name = str(error["loc"][-1])
+        close = difflib.get_close_matches(name, error["known"], n=1)
+        hint = f"Did you mean {close[0]!r}?" if close else f"Known: {', '.join(error['known'])}."
+        return f"unknown option. {hint}"
+    if kind == "missing":
+        return "required"
+    if kind == "literal_error":
+        choices = re.findall(r"'([^']*)'|(\S+)", ctx.get("expected", ""))
+        names = [a or b for a, b in choices if (a or b) != "or"]
+        close = difflib.get_close_matches(str(value), names, n=1)
+        hint = f". Did you mean {close[0]!r}?" if close else ""
+        return f"{value!r} is not one of {', '.join(names)}{hint}"
+    if kind in ("too_short", "too_long"):
+        return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value!r}"
+    return f"{error['msg'][0].lower()}{error['msg'][1:]}"
+
+
+def _expected(annotation: Any, value: Any) -> str:
+    return f"expected {_type_name(annotation)}, got {type(value).__name__} ({value!r:.40})"
+
+
+def _type_name(annotation: Any) -> str:
+    """``int``, ``list[str] | None``, ``'a' | 'b'``: how problems name a type."""
+    if _is_annotated(annotation):
+        return _type_name(typing.get_args(annotation)[0])
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if annotation is type(None):
+        return "None"
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is float:
+        return "number"
+    if typing_extensions.is_typeddict(annotation) or (
+        isinstance(annotation, type) and issubclass(annotation, Mapping)
+    ):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _resolve(spec: Any, loc: tuple[Any, ...]) -> tuple[str, Any, list[str]]:
+    """The dotted key of pydantic location ``loc`` (union members' tags dropped), the
+    annotation there, and the names known beside it (for unknown keys)."""
+    parts: list[str] = []
+    current, known = spec, _keys(spec)
+    for step in loc:
+        current = _strip(current)
+        if _union_member(current, step) is None:
+            current = _without_none(current)  # pydantic reports X | None's errors as X's
+        if typing_extensions.is_typeddict(current) and isinstance(step, str):
+            hints = typing.get_type_hints(current, include_extras=True)
+            known = list(hints)
+            parts.append(step)
+            current = hints.get(step)
+        elif typing.get_origin(current) in (list, tuple) and isinstance(step, int):
+            parts[-1] = f"{parts[-1]}[{step}]" if parts else f"[{step}]"
+            current = (typing.get_args(current) or (Any,))[0]
+        elif typing.get_origin(current) is dict and isinstance(step, str):
+            parts.append(step)
+            current = (typing.get_args(current) or (Any, Any))[-1]
+        elif _union_member(current, step) is not None:
+            current = _union_member(current, step)
+        else:
+            parts.append(str(step))
+            current = None
+    return ".".join(parts), current, known
+
+
+def _without_none(annotation: Any) -> Any:
+    """``X`` for ``X | None``; any other annotation unchanged."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return annotation
+    members = [m for m in typing.get_args(annotation) if m is not type(None)]
+    return _strip(members[0]) if len(members) == 1 else annotation
+
+
+def _keys(spec: Any) -> list[str]:
+    return list(typing.get_type_hints(spec)) if typing_extensions.is_typeddict(spec) else []
+
+
+def _strip(annotation: Any) -> Any:
+    while _is_annotated(annotation):
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing_extensions.Required, typing_extensions.NotRequired):
+        return _strip(typing.get_args(annotation)[0])
+    return annotation
+
+
+def _union_member(annotation: Any, tag: Any) -> Any:
+    """The member of union ``annotation`` that pydantic's location tag ``tag`` names."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    for member in typing.get_args(annotation):
+        names = {_tag(member), _type_name(member)}
+        if tag in names:
+            return member
+    return None
+
+
+def _tag(member: Any) -> str:
+    """How pydantic names a union member in an error location."""
+    if member is type(None):
+        return "none"
+    origin = typing.get_origin(_strip(member))
+    if origin is typing.Literal:
+        values = ",".join(repr(a) for a in typing.get_args(_strip(member)))
+        return f"literal[{values}]"
+    if origin is not None:
+        return f"{origin.__name__}[{','.join(_tag(a) for a in typing.get_args(member))}]"
+    if typing_extensions.is_typeddict(member):
+        return member.__name__
+    return getattr(member, "__name__", str(member))
