@@ -174,6 +174,8 @@ def _message(error: dict[str, Any]) -> str:
     }  # fmt: skip
     if kind in bounds:
         limit = next(iter(ctx.values()))
+        if isinstance(limit, float) and limit.is_integer():
+            limit = int(limit)  # a float field's bound reads as written: ">= 0", not ">= 0.0"
         return f"must be {bounds[kind]} {limit}, got {value!r}"
     if kind == "extra_forbidden":
         name = str(error["loc"][-1])

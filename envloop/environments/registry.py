@@ -138,7 +138,7 @@ def get_config_check(name: str) -> ConfigCheck | None:
     entry names none.
 
     >>> get_config_check("code_jaccard")({"alignment_threshold": 1.5})
-    ['alignment_threshold: must be < 1.0, got 1.5']
+    ['alignment_threshold: must be < 1, got 1.5']
     """
     entry = _entry(name)
     check = entry.get("config_check")

@@ -32,6 +32,6 @@ def config_problems(config: Any) -> list[str]:
     """Every problem of a ``code_jaccard`` config (None: the defaults), one line each.
 
     >>> config_problems({"num_workers": 0, "alignment_threshold": 1})
-    ['num_workers: must be >= 1, got 0', 'alignment_threshold: must be < 1.0, got 1']
+    ['num_workers: must be >= 1, got 0', 'alignment_threshold: must be < 1, got 1']
     """
     return validation.config_problems(CodeJaccardEnvConfig, config)

@@ -136,7 +136,7 @@ def test_config_problems_are_reported_together():
         CodeJaccardEnvironment({"num_worker": 2, "alignment_threshold": 1.5, "stop_strings": [1]})  # type: ignore[typeddict-unknown-key]
     assert raised.value.problems == [
         "stop_strings[0]: expected str, got int (1)",
-        "alignment_threshold: must be < 1.0, got 1.5",
+        "alignment_threshold: must be < 1, got 1.5",
         "num_worker: unknown option. Did you mean 'num_workers'?",
     ]
     with pytest.raises(ConfigError, match="num_workers: must be >= 1, got 0"):

@@ -172,7 +172,7 @@ BAD_BUILTIN_CONFIGS = {
         "one of them",
     ),
     "code": ({"timeout_s": 0}, "timeout_s: must be > 0 seconds, got 0"),
-    "code_jaccard": ({"alignment_threshold": 1}, "alignment_threshold: must be < 1.0, got 1"),
+    "code_jaccard": ({"alignment_threshold": 1}, "alignment_threshold: must be < 1, got 1"),
     "sliding_puzzle": ({"move_penalty": -1}, "move_penalty: must be >= 0, got -1"),
 }
 """Per built-in environment: a config its constructor rejects for a range or a contradiction

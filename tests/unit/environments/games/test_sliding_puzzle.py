@@ -260,10 +260,10 @@ def test_config_errors_name_every_bad_key():
             {"default_sise": 3, "default_size": 1, "reward_on_solve": "1", "move_penalty": -0.5}
         )
     assert info.value.problems == [
-        "default_sise: unknown option. Did you mean 'default_size'?",
-        "reward_on_solve: expected float, got str ('1')",
         "default_size: must be >= 2, got 1",
+        "reward_on_solve: expected number, got str ('1')",
         "move_penalty: must be >= 0, got -0.5",
+        "default_sise: unknown option. Did you mean 'default_size'?",
     ]
     env = SlidingPuzzleEnv(None)
     assert env.config == DEFAULT_CONFIG
