@@ -46,9 +46,9 @@ def prefixed(problems: Iterable[str], prefix: str) -> list[str]:
     """``problems`` of a config section, keyed under the section's dotted ``prefix``: a
     problem that starts with its key gets ``prefix.``, one without a key gets ``prefix: ``.
 
-    >>> prefixed(["max_attempts: must be at least 1, got 0", "expected a mapping, got list"],
+    >>> prefixed(["max_attempts: must be >= 1, got 0", "expected a mapping, got list"],
     ...          "envs.math.config")
-    ['envs.math.config.max_attempts: must be at least 1, got 0', \
+    ['envs.math.config.max_attempts: must be >= 1, got 0', \
 'envs.math.config: expected a mapping, got list']
     """
     return [f"{prefix}.{p}" if ":" in p.split(" ")[0] else f"{prefix}: {p}" for p in problems]

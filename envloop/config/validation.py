@@ -185,8 +185,8 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "missing":
         return "required"
     if kind == "literal_error":
-        choices = re.findall(r"'([^']*)'|(\S+)", ctx.get("expected", ""))
-        names = [a or b for a, b in choices if (a or b) != "or"]
+        expected = ctx.get("expected", "")
+        names = re.findall(r"'([^']*)'", expected) or re.split(r", | or ", expected)
         close = difflib.get_close_matches(str(value), names, n=1)
         hint = f". Did you mean {close[0]!r}?" if close else ""
         return f"{value!r} is not one of {', '.join(names)}{hint}"

@@ -6,7 +6,7 @@ reads or edits it directly keeps working): environment name -> :class:`EnvRegist
 An entry may also name its **config check**, ``config_check_fqn``: a function
 ``check(config) -> list[str]`` that returns every problem of an environment config (None
 means the defaults), one line each with its key relative to the config
-(``"max_attempts: must be at least 1, got 0"``), and that imports only what checking needs.
+(``"max_attempts: must be >= 1, got 0"``), and that imports only what checking needs.
 ``envloop run`` calls it to report a bad config before Ray starts, without importing the
 environment class (and torch with it). Every built-in names one (its ``*_config`` module's
 ``config_problems``, which the environment's constructor runs too);
@@ -97,7 +97,7 @@ overwrite=True to replace it with 'mypkg.envs.Echo'.
     >>> register_env("doc_math", "envloop.environments.math_environment:MathEnvironment",
     ...              config_check="envloop.environments.math.config:config_problems")
     >>> get_config_check("doc_math")({"max_attempts": 0})
-    ['max_attempts: must be at least 1, got 0']
+    ['max_attempts: must be >= 1, got 0']
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_env: name must be a non-empty string, got {name!r}.")

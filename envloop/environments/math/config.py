@@ -6,35 +6,47 @@ before starting Ray."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
 
-from envloop.config.errors import typed_dict_problems
+from pydantic import Field
+from typing_extensions import TypedDict
+
+from envloop.config import validation
 
 VerifierType = Literal["math", "english_multichoice", "multilingual_multichoice", "dapo"]
 MathVerifyImpl = Literal["hf_math_verify", "dapo_math_verify"]
 
 
 class MathEnvConfig(TypedDict, total=False):
-    num_workers: int  # worker processes checking answers with math-verify (default 2)
-    verify_timeout_s: float  # a sample's check is stopped after this long and scores 0 (10)
-    stop_strings: list[str] | None  # stop strings for a next turn (default None: EOS only)
-    reward_mode: Literal["correctness", "multi"]  # one reward, or correctness + format
-    max_attempts: int  # answers per episode; after a wrong one the policy tries again (1)
-    observation_role: str  # role of the verdicts; "user" for Qwen templates ("environment")
-    verifier_type: VerifierType | None  # how answers are checked (None: "math")
-    math_verify_impl: MathVerifyImpl | None  # the check of verifier_type math (None: math-verify)
+    num_workers: Annotated[
+        int, Field(2, ge=1, description="worker processes checking answers with math-verify")
+    ]
+    verify_timeout_s: Annotated[
+        float, Field(10.0, gt=0, description="a sample's check stops after this long; it scores 0")
+    ]
+    stop_strings: Annotated[
+        list[str] | None, Field(None, description="stop strings for a next turn (None: EOS only)")
+    ]
+    reward_mode: Annotated[
+        Literal["correctness", "multi"],
+        Field("correctness", description="one reward, or correctness + format"),
+    ]
+    max_attempts: Annotated[
+        int, Field(1, ge=1, description="answers per episode; a wrong one gets another try")
+    ]
+    observation_role: Annotated[
+        str, Field("environment", min_length=1, description='role of verdicts; "user" for Qwen')
+    ]
+    verifier_type: Annotated[
+        VerifierType | None, Field("math", description='how answers are checked (None: "math")')
+    ]
+    math_verify_impl: Annotated[
+        MathVerifyImpl | None,
+        Field("hf_math_verify", description="the check of verifier_type math (None: math-verify)"),
+    ]
 
 
-DEFAULTS: MathEnvConfig = {
-    "num_workers": 2,
-    "verify_timeout_s": 10.0,
-    "stop_strings": None,
-    "reward_mode": "correctness",
-    "max_attempts": 1,
-    "observation_role": "environment",
-    "verifier_type": "math",
-    "math_verify_impl": "hf_math_verify",
-}
+DEFAULTS: MathEnvConfig = MathEnvConfig(**validation.declared_defaults(MathEnvConfig))
 
 
 def checker_name(config: Mapping[str, Any]) -> str:
@@ -55,27 +67,14 @@ def checker_name(config: Mapping[str, Any]) -> str:
 
 
 def config_problems(config: Any) -> list[str]:
-    """Every problem of a ``math`` config (None: the defaults), one line each.
+    """Every problem of a ``math`` config (None: the defaults), one line each; options that
+    contradict each other are reported once each is valid alone.
 
     >>> config_problems({"max_attempts": 0, "verify_timeout_s": "10"})
-    ["verify_timeout_s: expected float, got str ('10')", 'max_attempts: must be at least 1, got 0']
+    ["verify_timeout_s: expected number, got str ('10')", 'max_attempts: must be >= 1, got 0']
     """
-    if config is None:
-        return []
-    problems = typed_dict_problems(config, MathEnvConfig)
-    if not isinstance(config, Mapping):
-        return problems
-    workers, timeout = config.get("num_workers", 2), config.get("verify_timeout_s", 10.0)
-    if isinstance(workers, int) and workers < 1:
-        problems.append(f"num_workers: must be at least 1, got {workers}")
-    if isinstance(timeout, (int, float)) and timeout <= 0:
-        problems.append(f"verify_timeout_s: must be > 0 seconds, got {timeout}")
-    attempts = config.get("max_attempts", 1)
-    if isinstance(attempts, int) and attempts < 1:
-        problems.append(f"max_attempts: must be at least 1, got {attempts}")
-    if config.get("observation_role", "environment") == "":
-        problems.append("observation_role: must be a role name such as 'environment' or 'user'")
-    return problems or _combination_problems(config)
+    problems = validation.config_problems(MathEnvConfig, config)
+    return problems or _combination_problems(config or {})
 
 
 def multi_reward_config_problems(config: Any) -> list[str]:
