@@ -28,7 +28,6 @@ from typing import Any
 import typing_extensions
 from pydantic import ConfigDict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from envloop.config.errors import ConfigError
 
@@ -92,7 +91,7 @@ def declared_fields(spec: type) -> list[DeclaredField]:
     fields = []
     for name, hint in hints.items():
         info = _field_info(hint)
-        default = None if info is None or info.default is PydanticUndefined else info.default
+        default = info.get_default(call_default_factory=True) if info is not None else None
         description = (info.description or "") if info is not None else ""
         bare = typing.get_args(hint)[0] if _is_annotated(hint) else hint
         fields.append(DeclaredField(name, bare, default, description, name in required))
@@ -126,7 +125,7 @@ def _make_strict(spec: Any) -> None:
 
 def _has_default(spec: type, name: str) -> bool:
     info = _field_info(typing.get_type_hints(spec, include_extras=True)[name])
-    return info is not None and info.default is not PydanticUndefined
+    return info is not None and not info.is_required()
 
 
 def _is_annotated(hint: Any) -> bool:
@@ -136,7 +135,8 @@ def _is_annotated(hint: Any) -> bool:
 def _field_info(hint: Any) -> FieldInfo | None:
     if not _is_annotated(hint):
         return None
-    return next((m for m in hint.__metadata__ if isinstance(m, FieldInfo)), None)
+    infos = [m for m in hint.__metadata__ if isinstance(m, FieldInfo)]
+    return FieldInfo.merge_field_infos(*infos) if infos else None  # as pydantic combines them
 
 
 # --- pydantic's errors in envloop's wording -------------------------------------------------
@@ -190,8 +190,10 @@ def _message(error: dict[str, Any]) -> str:
         close = difflib.get_close_matches(str(value), names, n=1)
         hint = f". Did you mean {close[0]!r}?" if close else ""
         return f"{value!r} is not one of {', '.join(names)}{hint}"
-    if kind in ("too_short", "too_long"):
-        return f"{error['msg'][0].lower()}{error['msg'][1:]}, got {value!r}"
+    if kind in ("too_short", "string_too_short"):
+        what = "item" if kind == "too_short" else "character"
+        count = ctx["min_length"]
+        return f"must have at least {count} {what}{'s' * (count != 1)}, got {value!r}"
     return f"{error['msg'][0].lower()}{error['msg'][1:]}"
 
 

@@ -39,10 +39,9 @@ from envloop.environments.code.config import (
     DEFAULTS,
     CodeEnvConfig,
     config_problems,
-    sandbox_limits,
     with_defaults,
 )
-from envloop.environments.code.sandbox import run_cells
+from envloop.environments.code.sandbox import run_cells, sandbox_limits
 from envloop.environments.common.answer_extraction import extract_tag
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 

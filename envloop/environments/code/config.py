@@ -1,62 +1,80 @@
-"""The ``code`` environment's options (:class:`CodeEnvConfig`), their defaults and their
-check (:func:`config_problems`). Imports nothing heavy: ``envloop run`` checks configs with
-it before starting Ray."""
+"""The ``code`` environment's options (:class:`CodeEnvConfig`: the sandbox's limits,
+:class:`SandboxLimitsConfig`, plus the episode's), their defaults and their check
+(:func:`config_problems`). Imports nothing heavy: ``envloop run`` checks configs with it
+before starting Ray."""
 
 from __future__ import annotations
 
-import dataclasses
+import os
 from collections.abc import Mapping
-from typing import Any, TypedDict
+from typing import Annotated, Any
 
-from envloop.config.errors import typed_dict_problems
-from envloop.environments.code.sandbox import SandboxLimits
+from pydantic import Field
+from typing_extensions import TypedDict
 
+from envloop.config import validation
 
-class CodeEnvConfig(TypedDict, total=False):
-    """Options of :class:`CodeEnvironment`; every key is optional (defaults in brackets)."""
-
-    num_workers: int  # sandboxes running at once, each its own process [4]
-    timeout_s: float  # wall-clock limit of a run's code (not start-up), replays included [10.0]
-    cpu_time_s: int  # CPU seconds of one run [10]
-    memory_mb: int  # address-space limit of the sandbox process [1024]
-    max_output_bytes: int  # output kept per turn; more stops the run [16384]
-    max_processes: int  # processes of the sandbox user; 1 also blocks fork/subprocess [1]
-    disk_mb: int  # largest file, and the size of the working directory's tmpfs [64]
-    max_open_files: int  # open files of the sandbox process [64]
-    sandbox_user: str  # unprivileged user the code runs as when we are root ["nobody"]
-    max_turns: int  # code turns per episode unless metadata["max_turns"] says otherwise [8]
-    stop_strings: list[str]  # where generation stops for the next turn [["</code>"]]
+NonEmpty = Annotated[str, Field(min_length=1)]
 
 
-DEFAULTS: dict[str, Any] = {
-    **dataclasses.asdict(SandboxLimits()),
-    "num_workers": 4,
-    "max_turns": 8,
-    "stop_strings": ["</code>"],
-}
+class SandboxLimitsConfig(TypedDict, total=False):
+    """Resource limits of one sandbox run (see :mod:`envloop.environments.code.sandbox` for
+    what enforces each)."""
+
+    timeout_s: Annotated[
+        float, Field(10.0, gt=0, description="wall-clock limit of a run's code, replays included")
+    ]
+    cpu_time_s: Annotated[
+        int, Field(10, ge=1, description="CPU seconds of one run, start-up included")
+    ]
+    memory_mb: Annotated[
+        int, Field(1024, ge=64, description="address-space limit (>= 64: Python needs ~30 MB)")
+    ]
+    max_output_bytes: Annotated[
+        int, Field(16384, ge=1, description="output kept per turn; more stops the run")
+    ]
+    max_processes: Annotated[
+        int, Field(1, ge=1, description="processes of the sandbox user; 1 also blocks fork")
+    ]
+    disk_mb: Annotated[
+        int, Field(64, ge=1, description="largest file, and the working directory's tmpfs size")
+    ]
+    max_open_files: Annotated[int, Field(64, ge=16, description="open files of the process")]
+    sandbox_user: Annotated[
+        NonEmpty, Field("nobody", description="unprivileged user the code runs as under root")
+    ]
+
+
+class CodeEnvConfig(SandboxLimitsConfig, total=False):
+    """Options of :class:`CodeEnvironment`; every key is optional."""
+
+    num_workers: Annotated[int, Field(4, ge=1, description="sandboxes running at once")]
+    max_turns: Annotated[
+        int, Field(8, ge=1, description='code turns per episode unless metadata["max_turns"]')
+    ]
+    stop_strings: Annotated[
+        list[NonEmpty],
+        Field(
+            default_factory=lambda: ["</code>"],
+            min_length=1,
+            description="where generation stops for the next turn",
+        ),
+    ]
+
+
+DEFAULTS: dict[str, Any] = validation.declared_defaults(CodeEnvConfig)
+LIMIT_KEYS = tuple(validation.declared_defaults(SandboxLimitsConfig))
 
 
 def config_problems(config: Any) -> list[str]:
-    """Every problem of a ``code`` config (None: the defaults), one line each; the ranges of
-    keys whose types are wrong are not checked.
+    """Every problem of a ``code`` config (None: the defaults), one line each.
 
     >>> config_problems({"max_turns": 0, "memory_mb": "big"})
     ["memory_mb: expected int, got str ('big')", 'max_turns: must be >= 1, got 0']
     """
-    if config is None:
-        return []
-    problems = typed_dict_problems(config, CodeEnvConfig, "CodeEnvConfig")
-    if not isinstance(config, Mapping):
-        return problems
-    bad = {p.split(":")[0] for p in problems}
-    options = with_defaults({k: v for k, v in config.items() if k not in bad})
-    problems += sandbox_limits(options).problems()
-    problems += [f"{k}: must be >= 1, got {options[k]}" for k in ("num_workers", "max_turns")
-                 if options[k] < 1]  # fmt: skip
-    stops = options["stop_strings"]
-    if not stops or not all(isinstance(s, str) and s for s in stops):
-        problems.append(f"stop_strings: must be a non-empty list of non-empty strings, got {stops}")
-    return problems
+    problems = validation.config_problems(CodeEnvConfig, config)
+    user = (config or {}).get("sandbox_user") if isinstance(config, Mapping) else None
+    return problems + sandbox_user_problems(user if isinstance(user, str) and user else "nobody")
 
 
 def with_defaults(config: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -64,7 +82,14 @@ def with_defaults(config: Mapping[str, Any] | None) -> dict[str, Any]:
     return {**DEFAULTS, **{k: v for k, v in (config or {}).items() if k in DEFAULTS}}
 
 
-def sandbox_limits(options: Mapping[str, Any]) -> SandboxLimits:
-    """The sandbox limits among a config's options."""
-    names = {f.name for f in dataclasses.fields(SandboxLimits)}
-    return SandboxLimits(**{k: v for k, v in options.items() if k in names})
+def sandbox_user_problems(user: str) -> list[str]:
+    """Why the code cannot run as ``user`` here ([] when it can, or when we are not root)."""
+    if os.geteuid() != 0:
+        return []
+    import pwd
+
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return [f"sandbox_user: no user {user!r} here; use an unprivileged one such as 'nobody'"]
+    return [] if uid != 0 else [f"sandbox_user: {user!r} is root; use one such as 'nobody'"]

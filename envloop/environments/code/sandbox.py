@@ -64,9 +64,12 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from envloop.config.validation import config_problems, declared_defaults
+from envloop.environments.code.config import SandboxLimitsConfig, sandbox_user_problems
 
 if TYPE_CHECKING:  # the sandbox must not load subprocess: it would bypass the fork block
     import subprocess
@@ -80,38 +83,39 @@ _START_LIMIT_S = 120.0  # wall-clock limit of the start-up (interpreter, isolati
 _EXIT_GRACE_S = 5.0  # after its pipes close, how long an exiting process may take to be reapable
 
 
+_LIMITS = declared_defaults(SandboxLimitsConfig)
+
+
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one sandbox run (see the module docstring for what each enforces)."""
+    """Resource limits of one sandbox run: :class:`SandboxLimitsConfig`'s fields (declared
+    there, with their defaults and bounds; see the module docstring for what enforces each).
+    """
 
-    timeout_s: float = 10.0  # wall-clock limit of the code (replays and tests included)
-    cpu_time_s: int = 10  # CPU seconds (RLIMIT_CPU, start-up included); killed past it
-    memory_mb: int = 1024  # address space (RLIMIT_AS); allocations beyond raise MemoryError
-    max_output_bytes: int = 16384  # output kept; more stops the run
-    max_processes: int = 1  # RLIMIT_NPROC of the sandbox user; 1 also blocks fork/subprocess
-    disk_mb: int = 64  # largest file (RLIMIT_FSIZE) and, with chroot, the working dir's size
-    max_open_files: int = 64  # RLIMIT_NOFILE
-    sandbox_user: str = "nobody"  # the unprivileged user the code runs as when we are root
+    timeout_s: float = _LIMITS["timeout_s"]
+    cpu_time_s: int = _LIMITS["cpu_time_s"]
+    memory_mb: int = _LIMITS["memory_mb"]
+    max_output_bytes: int = _LIMITS["max_output_bytes"]
+    max_processes: int = _LIMITS["max_processes"]
+    disk_mb: int = _LIMITS["disk_mb"]
+    max_open_files: int = _LIMITS["max_open_files"]
+    sandbox_user: str = _LIMITS["sandbox_user"]
 
     def problems(self) -> list[str]:
         """One line per bad limit, naming the field and the fix.
 
         >>> for problem in SandboxLimits(timeout_s=0, memory_mb=8).problems():
         ...     print(problem)
-        timeout_s: must be > 0 seconds, got 0
-        memory_mb: must be >= 64 (Python needs ~30 MB), got 8
+        timeout_s: must be > 0, got 0
+        memory_mb: must be >= 64, got 8
         """
-        checks = [
-            ("timeout_s", self.timeout_s > 0, "must be > 0 seconds"),
-            ("cpu_time_s", self.cpu_time_s >= 1, "must be >= 1 second"),
-            ("memory_mb", self.memory_mb >= 64, "must be >= 64 (Python needs ~30 MB)"),
-            ("max_output_bytes", self.max_output_bytes >= 1, "must be >= 1"),
-            ("max_processes", self.max_processes >= 1, "must be >= 1"),
-            ("disk_mb", self.disk_mb >= 1, "must be >= 1"),
-            ("max_open_files", self.max_open_files >= 16, "must be >= 16"),
-        ]
-        out = [f"{k}: {why}, got {getattr(self, k)!r}" for k, ok, why in checks if not ok]
-        return out + _user_problems(self.sandbox_user)
+        problems = config_problems(SandboxLimitsConfig, asdict(self))
+        return problems + sandbox_user_problems(self.sandbox_user)
+
+
+def sandbox_limits(options: Mapping[str, Any]) -> SandboxLimits:
+    """The sandbox limits among a ``code`` config's options."""
+    return SandboxLimits(**{k: v for k, v in options.items() if k in _LIMITS})
 
 
 @dataclass(frozen=True)
@@ -183,18 +187,6 @@ class _Ending(NamedTuple):
     returncode: int  # as Popen's: negative for a signal
     cpu_s: float  # user + system CPU seconds it used (its rusage)
     killed_by_parent: bool  # still running when run_cells killed its process group
-
-
-def _user_problems(user: str) -> list[str]:
-    if os.geteuid() != 0:
-        return []
-    import pwd
-
-    try:
-        uid = pwd.getpwnam(user).pw_uid
-    except KeyError:
-        return [f"sandbox_user: no user {user!r} here; use an unprivileged one such as 'nobody'"]
-    return [] if uid != 0 else [f"sandbox_user: {user!r} is root; use one such as 'nobody'"]
 
 
 def _sandbox_ids(user: str) -> tuple[int | None, int | None]:

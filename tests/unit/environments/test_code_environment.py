@@ -111,13 +111,18 @@ def test_config_errors_name_every_bad_key():
     with pytest.raises(ConfigError) as info:
         CodeEnvironment(bad)
     assert info.value.problems == [
-        "num_worker: unknown option. Did you mean 'num_workers'?",
-        "stop_strings: expected list, got str ('x')",
+        "timeout_s: must be > 0, got 0",
         "memory_mb: expected int, got str ('big')",
-        "timeout_s: must be > 0 seconds, got 0",
+        "stop_strings: expected list[str], got str ('x')",
+        "num_worker: unknown option. Did you mean 'num_workers'?",
     ]
-    with pytest.raises(ConfigError, match="max_turns: must be >= 1, got 0"):
-        CodeEnvironment({"max_turns": 0, "stop_strings": []})
+    with pytest.raises(ConfigError) as info:
+        CodeEnvironment({"max_turns": 0, "stop_strings": [], "sandbox_user": ""})
+    assert info.value.problems == [
+        "sandbox_user: must have at least 1 character, got ''",
+        "max_turns: must be >= 1, got 0",
+        "stop_strings: must have at least 1 item, got []",
+    ]
 
 
 def test_metrics(env):

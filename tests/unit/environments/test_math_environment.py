@@ -243,7 +243,7 @@ def test_config_errors_name_every_bad_key():
         "num_workers: must be >= 1, got 0",
         "verify_timeout_s: expected number, got str ('10')",
         "max_attempts: must be >= 1, got 0",
-        "observation_role: string should have at least 1 character",
+        "observation_role: must have at least 1 character, got ''",
     ]
     with pytest.raises(ConfigError, match="expected a mapping, got list"):
         MathEnvironment([("num_workers", 2)])  # type: ignore[arg-type]

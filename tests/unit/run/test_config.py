@@ -171,7 +171,7 @@ BAD_BUILTIN_CONFIGS = {
         "sequence_packing.enabled: True conflicts with dynamic_batching.enabled: True; enable "
         "one of them",
     ),
-    "code": ({"timeout_s": 0}, "timeout_s: must be > 0 seconds, got 0"),
+    "code": ({"timeout_s": 0}, "timeout_s: must be > 0, got 0"),
     "code_jaccard": ({"alignment_threshold": 1}, "alignment_threshold: must be < 1, got 1"),
     "sliding_puzzle": ({"move_penalty": -1}, "move_penalty: must be >= 0, got -1"),
 }
