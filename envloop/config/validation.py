@@ -203,8 +203,7 @@ def _expected(annotation: Any, value: Any) -> str:
 
 def _type_name(annotation: Any) -> str:
     """``int``, ``list[str] | None``, ``'a' | 'b'``: how problems name a type."""
-    if _is_annotated(annotation):
-        return _type_name(typing.get_args(annotation)[0])
+    annotation = _strip(annotation)
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(a) for a in args)
@@ -212,6 +211,8 @@ def _type_name(annotation: Any) -> str:
         return " | ".join(repr(a) for a in args)
     if annotation is type(None):
         return "None"
+    if origin is dict:
+        return "dict"
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     if annotation is float:

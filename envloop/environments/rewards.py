@@ -23,11 +23,13 @@ import math
 import numbers
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Annotated, Any, NamedTuple
 
+from pydantic import Field, PydanticSchemaGenerationError
 from typing_extensions import NotRequired, TypedDict
 
-from envloop.config.errors import ConfigError, typed_dict_problems
+from envloop.config import validation
+from envloop.config.errors import ConfigError, prefixed
 from envloop.config.import_paths import import_from_path
 from envloop.environments.registry import unknown_name_message
 from envloop.environments.vlm.reward_functions import (
@@ -49,9 +51,16 @@ RewardFn = Callable[..., Sequence[Score]]
 class RewardFunctionConfig(TypedDict):
     """One entry of a reward mix."""
 
-    name: str  # a built-in name, or an import path "package.module:function"
-    weight: float  # > 0; the weights of a mix are normalized to sum 1
-    kwargs: NotRequired[dict[str, Any]]  # keyword options passed to the function
+    name: Annotated[
+        str, Field(description='a built-in name, or an import path "package.module:function"')
+    ]
+    weight: Annotated[
+        float,
+        Field(gt=0, allow_inf_nan=False, description="the weights of a mix are normalized"),
+    ]
+    kwargs: NotRequired[
+        Annotated[dict[str, Any], Field(description="keyword options passed to the function")]
+    ]
 
 
 class RewardOutcome(NamedTuple):
@@ -102,21 +111,16 @@ def reward_config_problems(configs: Any, what: str = "reward_functions") -> list
     problems = []
     for i, entry in enumerate(configs):
         where = f"{what}[{i}]"
-        if not isinstance(entry, Mapping):
-            problems.append(f"{where}: expected a dict, got {type(entry).__name__}")
+        problems += prefixed(validation.config_problems(RewardFunctionConfig, entry), where)
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
             continue
-        problems += [f"{where}.{p}" for p in typed_dict_problems(entry, RewardFunctionConfig)]
-        weight = entry.get("weight")
-        if isinstance(weight, (int, float)) and not (weight > 0 and math.isfinite(weight)):
-            problems.append(f"{where}.weight: must be a positive number, got {weight!r}")
-        if isinstance(entry.get("name"), str):
-            try:
-                fn = get_reward_function(entry["name"])
-            except (ValueError, ImportError) as exc:
-                problems.append(f"{where}.name: {exc}")
-                continue
-            if isinstance(entry.get("kwargs", {}), Mapping):
-                problems += _kwargs_problems(fn, dict(entry.get("kwargs", {})), f"{where}.kwargs")
+        try:
+            fn = get_reward_function(entry["name"])
+        except (ValueError, ImportError) as exc:
+            problems.append(f"{where}.name: {exc}")
+            continue
+        if isinstance(entry.get("kwargs", {}), Mapping):
+            problems += _kwargs_problems(fn, dict(entry.get("kwargs", {})), f"{where}.kwargs")
     return problems
 
 
@@ -209,9 +213,12 @@ def _kwargs_problems(fn: RewardFn, kwargs: dict[str, Any], where: str) -> list[s
         hints = typing.get_type_hints(fn)
     except Exception:
         hints = {}
-    fields = {n: hints.get(n, object) for n in named}
-    spec = TypedDict("RewardKwargs", fields, total=False)  # type: ignore[misc]
-    problems = [f"{where}.{p}" for p in typed_dict_problems(kwargs, spec)]
+    fields = {n: hints.get(n, Any) for n in named}
+    spec = TypedDict("RewardKwargs", fields, total=False)  # type: ignore[operator]
+    try:
+        problems = prefixed(validation.config_problems(spec, kwargs), where)
+    except PydanticSchemaGenerationError:  # a parameter type pydantic cannot check
+        problems = []
     try:
         signature.bind([], [], **{k: v for k, v in kwargs.items() if k in named})
     except TypeError as exc:

@@ -267,16 +267,18 @@ def test_config_problems_are_all_listed():
     assert problems[0].startswith("reward_functions[0].name: No reward function named 'fromat'")
     assert "Did you mean 'format'?" in problems[0]
     assert problems[1:7] == [
-        "reward_functions[1].weight: must be a positive number, got 0",
-        "reward_functions[2].weight: must be a positive number, got -1",
-        "reward_functions[2].kwargs.answer_tg: unknown option. Did you mean 'answer_tag'?",
+        "reward_functions[1].weight: must be > 0, got 0",
+        "reward_functions[2].weight: must be > 0, got -1",
         "reward_functions[2].kwargs.think_tag: expected str, got int (3)",
+        "reward_functions[2].kwargs.answer_tg: unknown option. Did you mean 'answer_tag'?",
         "reward_functions[3].name: required",
-        "reward_functions[4].weight: expected float, got str ('heavy')",
+        "reward_functions[4].weight: expected number, got str ('heavy')",
     ]
     assert problems[7] == "reward_functions[4].kwargs: expected dict, got list ([])"
     assert problems[8].startswith("reward_functions[5].name: Reward function 'no.module:fn': ")
-    assert problems[9:] == ["reward_functions[7]: expected a dict, got str"]  # **kwargs: any key
+    assert problems[9:] == [  # entry 6's function takes **kwargs: any key
+        "reward_functions[7]: expected a mapping, got str ('format')"
+    ]
 
 
 def test_config_problems_of_a_missing_list():
@@ -292,7 +294,7 @@ def test_combine_rejects_a_bad_mix_with_every_problem():
         combine_rewards([{"name": "format"}, {"name": "exact_alnum", "weight": 0}], ["x"], ["x"])
     assert info.value.problems == [
         "reward_functions[0].weight: required",
-        "reward_functions[1].weight: must be a positive number, got 0",
+        "reward_functions[1].weight: must be > 0, got 0",
     ]
 
 

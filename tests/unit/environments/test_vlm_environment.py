@@ -87,28 +87,28 @@ def test_config_errors_list_every_problem():
             }
         )
     problems = info.value.problems
-    assert problems[0] == "num_worker: unknown option. Did you mean 'num_workers'?"
-    assert problems[1] == "stop_strings: every stop string must be a non-empty str"
+    assert problems[0] == "stop_strings[1]: must have at least 1 character, got ''"
+    assert problems[1] == "num_worker: unknown option. Did you mean 'num_workers'?"
     assert problems[2].startswith("reward_functions[0].name: No reward function named ")
     assert "Did you mean 'exact_alnum'?" in problems[2]
     assert problems[3:] == [
-        "reward_functions[1].weight: must be a positive number, got 0",
+        "reward_functions[1].weight: must be > 0, got 0",
         "reward_functions[1].kwargs.think_tag: expected str, got int (1)",
         "reward_functions[2].name: required",
         "reward_functions[2].kwargs: expected dict, got str ('x')",
     ]
-    assert str(info.value).startswith("Invalid VLMEnvConfig:\n  - num_worker: unknown option.")
+    assert str(info.value).startswith("Invalid VLMEnvConfig:\n  - stop_strings[1]: must have")
 
 
 def test_config_types_and_ranges():
     with pytest.raises(ConfigError) as info:
         VLMEnvironment({"num_workers": 0, "stop_strings": "</answer>", "reward_functions": []})
     assert info.value.problems == [
-        "stop_strings: expected list | None, got str ('</answer>')",
         "num_workers: must be >= 1, got 0",
+        "stop_strings: expected list[str] | None, got str ('</answer>')",
         "reward_functions: expected a non-empty list of {'name', 'weight', 'kwargs'?} dicts",
     ]
-    with pytest.raises(ConfigError, match="VLMEnvConfig: expected a dict, got list"):
+    with pytest.raises(ConfigError, match="Invalid VLMEnvConfig:\n  - expected a mapping, got list"):
         VLMEnvironment([("num_workers", 1)])
 
 

@@ -164,7 +164,7 @@ BAD_BUILTIN_CONFIGS = {
     ),
     "vlm": (
         {"reward_functions": [{"name": "format", "weight": 0}]},
-        "reward_functions[0].weight: must be a positive number, got 0",
+        "reward_functions[0].weight: must be > 0, got 0",
     ),
     "reward_model": (
         {"sequence_packing": {"enabled": True}, "dynamic_batching": {"enabled": True}},
