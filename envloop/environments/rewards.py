@@ -214,7 +214,7 @@ def _kwargs_problems(fn: RewardFn, kwargs: dict[str, Any], where: str) -> list[s
     except Exception:
         hints = {}
     fields = {n: hints.get(n, Any) for n in named}
-    spec = TypedDict("RewardKwargs", fields, total=False)  # type: ignore[operator]
+    spec = TypedDict("RewardKwargs", fields, total=False)  # type: ignore[misc]
     try:
         problems = prefixed(validation.config_problems(spec, kwargs), where)
     except PydanticSchemaGenerationError:  # a parameter type pydantic cannot check

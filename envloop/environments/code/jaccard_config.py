@@ -4,7 +4,7 @@ configs with it before starting Ray."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -25,7 +25,7 @@ class CodeJaccardEnvConfig(TypedDict, total=False):
     ]
 
 
-DEFAULTS: CodeJaccardEnvConfig = validation.declared_defaults(CodeJaccardEnvConfig)  # type: ignore[assignment]
+DEFAULTS = cast(CodeJaccardEnvConfig, validation.declared_defaults(CodeJaccardEnvConfig))
 
 
 def config_problems(config: Any) -> list[str]:

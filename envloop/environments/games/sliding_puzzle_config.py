@@ -4,7 +4,7 @@ checks configs with it before starting Ray."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -30,7 +30,7 @@ class SlidingPuzzleConfig(TypedDict, total=False):
     ]
 
 
-DEFAULT_CONFIG = SlidingPuzzleConfig(**validation.declared_defaults(SlidingPuzzleConfig))
+DEFAULT_CONFIG = cast(SlidingPuzzleConfig, validation.declared_defaults(SlidingPuzzleConfig))
 
 
 def config_problems(config: Any) -> list[str]:

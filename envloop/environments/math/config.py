@@ -6,7 +6,7 @@ before starting Ray."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -46,7 +46,7 @@ class MathEnvConfig(TypedDict, total=False):
     ]
 
 
-DEFAULTS: MathEnvConfig = MathEnvConfig(**validation.declared_defaults(MathEnvConfig))
+DEFAULTS = cast(MathEnvConfig, validation.declared_defaults(MathEnvConfig))
 
 
 def checker_name(config: Mapping[str, Any]) -> str:

@@ -6,7 +6,7 @@ before starting Ray."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -38,7 +38,7 @@ class VLMEnvConfig(TypedDict, total=False):
     ]
 
 
-DEFAULT_CONFIG = VLMEnvConfig(**validation.declared_defaults(VLMEnvConfig))
+DEFAULT_CONFIG = cast(VLMEnvConfig, validation.declared_defaults(VLMEnvConfig))
 
 
 def config_problems(config: Any) -> list[str]:
@@ -61,4 +61,4 @@ def validated_config(cfg: Mapping[str, Any] | None) -> VLMEnvConfig:
     problems = config_problems(cfg)
     if problems:
         raise ConfigError("VLMEnvConfig", problems)
-    return VLMEnvConfig(**validation.validated(VLMEnvConfig, cfg))  # type: ignore[typeddict-item]
+    return cast(VLMEnvConfig, validation.validated(VLMEnvConfig, cfg))

@@ -108,7 +108,7 @@ def test_config_types_and_ranges():
         "stop_strings: expected list[str] | None, got str ('</answer>')",
         "reward_functions: expected a non-empty list of {'name', 'weight', 'kwargs'?} dicts",
     ]
-    with pytest.raises(ConfigError, match="Invalid VLMEnvConfig:\n  - expected a mapping, got list"):
+    with pytest.raises(ConfigError, match="VLMEnvConfig:\n  - expected a mapping, got list"):
         VLMEnvironment([("num_workers", 1)])
 
 
