@@ -14,11 +14,13 @@ be loaded by the caller, after reviewing that code, and configured with
 import functools
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
-from envloop.config.errors import ConfigError, typed_dict_problems
+from envloop.config import validation
+from envloop.config.errors import ConfigError
 from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES
 from envloop.models.bundled import BUNDLED_PREFIX, resolve_model
 from envloop.models.tokenizer_classes import remember_class, remembered_class
@@ -38,9 +40,16 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 class TokenizerConfig(TypedDict):
-    name: str  # a local folder, a hub id ("org/name") or "bundled:<name>"
-    chat_template: NotRequired[str | None]  # absent/"default": own; None: contents; .jinja; text
-    chat_template_kwargs: NotRequired[dict[str, Any] | None]  # to every apply_chat_template
+    name: Annotated[str, Field(description='a local folder, a hub id or "bundled:<name>"')]
+    chat_template: NotRequired[
+        Annotated[
+            str | None,
+            Field(description='absent/"default": own; None: contents; a .jinja file; text'),
+        ]
+    ]
+    chat_template_kwargs: NotRequired[
+        Annotated[dict[str, Any] | None, Field(description="to every apply_chat_template")]
+    ]
 
 
 def resolve_chat_template(tokenizer_config: Any, own: str | None) -> str | None:
@@ -100,7 +109,7 @@ def get_tokenizer(
             "and pass its .tokenizer to configure_tokenizer, or call get_tokenizer without "
             "get_processor for a text-only tokenizer."
         )
-    problems = typed_dict_problems(tokenizer_config, TokenizerConfig, "tokenizer config")
+    problems = validation.config_problems(TokenizerConfig, tokenizer_config)
     if problems:
         raise ConfigError("TokenizerConfig", problems)
     tokenizer = _load_tokenizer(tokenizer_config["name"])

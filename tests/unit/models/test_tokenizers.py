@@ -196,6 +196,6 @@ def test_config_problems_are_reported_together(chatml_dir):
     with pytest.raises(ConfigError) as caught:
         get_tokenizer(config)
     assert caught.value.problems == [
-        "chat_templat_kwargs: unknown option. Did you mean 'chat_template_kwargs'?",
         "chat_template: expected str | None, got int (3)",
+        "chat_templat_kwargs: unknown option. Did you mean 'chat_template_kwargs'?",
     ]
