@@ -24,7 +24,7 @@ from typing import Any, cast
 
 from typing_extensions import is_typeddict
 
-from envloop.config.errors import prefixed, typed_dict_problems
+from envloop.config.errors import prefixed
 from envloop.config.schema import type_name
 
 DEFAULTS_NAMES = ("DEFAULTS", "DEFAULT_CONFIG", "_DEFAULTS")
@@ -88,33 +88,31 @@ def env_config_fields(cls: type) -> list[EnvConfigField]:
 
 def env_config_problems(cls: type, config: Any, prefix: str) -> list[str]:
     """Problems of ``config`` against the environment's TypedDict (nested TypedDicts
-    included), each prefixed with ``prefix``; [] when the class declares no TypedDict.
-    Range checks are the class's own (``EnvironmentInterface.config_problems``)."""
+    included, checked over their defaults as environments merge them), each prefixed with
+    ``prefix``; [] when the class declares no TypedDict. Range checks are the class's own
+    (``EnvironmentInterface.config_problems``)."""
+    from envloop.config.validation import config_problems
+
     spec = env_config_spec(cls)
     if config is None or spec is None:
         return []
-    return prefixed(_typed_dict_problems_deep(config, spec, env_defaults(cls)), prefix)
+    if isinstance(config, Mapping):
+        config = _over_nested_defaults(config, spec, env_defaults(cls))
+    return prefixed(config_problems(spec, config), prefix)
 
 
-def _typed_dict_problems_deep(config: Any, spec: type, defaults: Mapping[str, Any]) -> list[str]:
-    """Nested sections are checked over their defaults, as environments merge them."""
-    if not isinstance(config, Mapping):
-        return [f"expected a mapping, got {type(config).__name__}"]
-    hints = typing.get_type_hints(spec)
-    nested = {k: s for k, h in hints.items() if (s := _nested_spec(h)) is not None}
-    flat = {k: v for k, v in config.items() if k not in nested}
-    problems = [
-        p
-        for p in typed_dict_problems(flat, spec)
-        if not (p.endswith(": required") and p.split(":")[0] in nested)
-    ]
-    for key, sub in nested.items():
-        value, default = config.get(key), defaults.get(key)
-        if isinstance(value, Mapping) and isinstance(default, Mapping):
-            value = {**default, **value}
-        if value is not None:
-            problems += [f"{key}.{p}" for p in _typed_dict_problems_deep(value, sub, {})]
-    return problems
+def _over_nested_defaults(
+    config: Mapping[str, Any], spec: type, defaults: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``config`` with each nested section (a TypedDict field) merged over its default."""
+    merged = dict(config)
+    for key, hint in typing.get_type_hints(spec).items():
+        default = defaults.get(key)
+        if _nested_spec(hint) is None or not isinstance(default, Mapping):
+            continue
+        value = merged.get(key, default)
+        merged[key] = {**default, **value} if isinstance(value, Mapping) else value
+    return merged
 
 
 def _nested_spec(hint: Any) -> type | None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import operator
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping
@@ -105,8 +107,41 @@ def declared_defaults(spec: type) -> dict[str, Any]:
 
 @functools.cache
 def _adapter(spec: type) -> TypeAdapter[Any]:
+    spec = _portable(spec)
     _make_strict(spec)
     return TypeAdapter(spec)
+
+
+def _portable(hint: Any) -> Any:
+    """``hint`` with every ``typing.TypedDict`` in it rebuilt as a ``typing_extensions`` one
+    (pydantic needs that before Python 3.12; environment authors write either)."""
+    if sys.version_info >= (3, 12):
+        return hint
+    if typing_extensions.is_typeddict(hint) and type(hint).__module__ == "typing":
+        return _rebuilt_typeddict(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if _is_annotated(hint):
+        return typing.Annotated[(_portable(args[0]), *hint.__metadata__)]
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, [_portable(a) for a in args])
+    if origin in (list, dict, tuple, set) and args:
+        return origin[tuple(_portable(a) for a in args)]
+    return hint
+
+
+@functools.cache
+def _rebuilt_typeddict(spec: Any) -> Any:
+    hints = typing.get_type_hints(spec, include_extras=True)
+    required = getattr(spec, "__required_keys__", frozenset(hints))
+    fields = {}
+    for name, hint in hints.items():
+        hint = _portable(hint)
+        marked = typing.get_origin(hint) in (
+            typing_extensions.Required,
+            typing_extensions.NotRequired,
+        )
+        fields[name] = hint if marked or name in required else typing_extensions.NotRequired[hint]
+    return typing_extensions.TypedDict(spec.__name__, fields)  # type: ignore[operator]
 
 
 def _make_strict(spec: Any) -> None:

@@ -56,11 +56,11 @@ def test_classes_without_a_typed_config_degrade_gracefully():
 def test_problems_include_nested_sections():
     problems = env_config_problems(_Env, {"sise": 1, "inner": {"depth": "x"}}, "envs.t.config")
     assert problems == [
-        "envs.t.config.sise: unknown option. Did you mean 'size'?",
         "envs.t.config.inner.depth: expected int, got str ('x')",
+        "envs.t.config.sise: unknown option. Did you mean 'size'?",
     ]
     assert env_config_problems(_Env, [1], "envs.t.config") == [
-        "envs.t.config: expected a mapping, got list"
+        "envs.t.config: expected a mapping, got list ([1])"
     ]
     # Nested sections are checked over the module's defaults, as the environment merges them.
     partial = {"dynamic_batching": {"enabled": False}, "resources": {"num_gpu": 1}}
