@@ -121,7 +121,8 @@ def _portable(hint: Any) -> Any:
         return _rebuilt_typeddict(hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if _is_annotated(hint):
-        return typing.Annotated[(_portable(args[0]), *hint.__metadata__)]
+        params = (_portable(args[0]), *hint.__metadata__)
+        return typing.Annotated[params]
     if origin in (typing.Union, types.UnionType):
         return functools.reduce(operator.or_, [_portable(a) for a in args])
     if origin in (list, dict, tuple, set) and args:
