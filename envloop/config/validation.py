@@ -16,6 +16,8 @@ not a number. :func:`declared_fields` and :func:`declared_defaults` read the dec
 
 from __future__ import annotations
 
+import collections.abc
+import dataclasses
 import difflib
 import functools
 import operator
@@ -23,23 +25,28 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import typing_extensions
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic.fields import FieldInfo
 
 from envloop.config.errors import ConfigError
 
 __all__ = [
     "DeclaredField",
+    "built",
+    "config_dataclass",
     "config_problems",
     "declared_defaults",
     "declared_fields",
     "validated",
 ]
+
+T = TypeVar("T")
 
 STRICT = ConfigDict(strict=True, extra="forbid")
 """How every config is validated: no coercion, no unknown keys."""
@@ -75,6 +82,38 @@ def validated(spec: type, config: Any, what: str | None = None) -> dict[str, Any
         return dict(_adapter(spec).validate_python({} if config is None else config))
     except ValidationError as exc:
         raise ConfigError(what or spec.__name__, _problems(spec, exc)) from None
+
+
+@typing_extensions.dataclass_transform(frozen_default=True, field_specifiers=(Field,))
+def config_dataclass(what: str) -> Callable[[type[T]], type[T]]:
+    """A frozen dataclass whose fields carry their defaults, constraints and descriptions
+    (``Annotated[int, Field(ge=0)] = 1``), validated strictly by pydantic on construction;
+    a bad value raises one :class:`ConfigError` (titled ``what``) listing every problem.
+    Build one from a mapping with :func:`built`."""
+
+    def decorate(cls: type[T]) -> type[T]:
+        validated_cls = pydantic_dataclass(frozen=True, config=STRICT)(cls)
+        pydantic_init = validated_cls.__init__
+
+        @functools.wraps(pydantic_init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                pydantic_init(self, *args, **kwargs)
+            except ValidationError as exc:
+                raise ConfigError(what, _problems(validated_cls, exc)) from None
+
+        validated_cls.__init__ = __init__  # type: ignore[method-assign]
+        return cast(type[T], validated_cls)
+
+    return decorate
+
+
+def built(cls: type[T], options: Any) -> T:
+    """An instance of :func:`config_dataclass` ``cls`` from the keyword ``options`` (a
+    mapping); raises :class:`ConfigError` listing every problem."""
+    if not isinstance(options, Mapping):
+        raise ConfigError(cls.__name__, [f"expected a mapping, got {type(options).__name__}"])
+    return cls(**options)
 
 
 def config_problems(spec: type, config: Any) -> list[str]:
@@ -213,7 +252,9 @@ def _message(error: dict[str, Any]) -> str:
         if isinstance(limit, float) and limit.is_integer():
             limit = int(limit)  # a float field's bound reads as written: ">= 0", not ">= 0.0"
         return f"must be {bounds[kind]} {limit}, got {value!r}"
-    if kind == "extra_forbidden":
+    if kind == "finite_number":
+        return f"must be a finite number, got {value!r}"
+    if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         name = str(error["loc"][-1])
         close = difflib.get_close_matches(name, error["known"], n=1)
         hint = f"Did you mean {close[0]!r}?" if close else f"Known: {', '.join(error['known'])}."
@@ -249,6 +290,8 @@ def _type_name(annotation: Any) -> str:
         return "None"
     if origin is dict:
         return "dict"
+    if origin is collections.abc.Callable:
+        return "a function"
     if origin is not None:
         return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
     if annotation is float:
@@ -269,7 +312,7 @@ def _resolve(spec: Any, loc: tuple[Any, ...]) -> tuple[str, Any, list[str]]:
         current = _strip(current)
         if _union_member(current, step) is None:
             current = _without_none(current)  # pydantic reports X | None's errors as X's
-        if typing_extensions.is_typeddict(current) and isinstance(step, str):
+        if _is_record(current) and isinstance(step, str):
             hints = typing.get_type_hints(current, include_extras=True)
             known = list(hints)
             parts.append(step)
@@ -296,8 +339,13 @@ def _without_none(annotation: Any) -> Any:
     return _strip(members[0]) if len(members) == 1 else annotation
 
 
+def _is_record(spec: Any) -> bool:
+    """A TypedDict or a dataclass: a type whose fields are keys of the config."""
+    return typing_extensions.is_typeddict(spec) or dataclasses.is_dataclass(spec)
+
+
 def _keys(spec: Any) -> list[str]:
-    return list(typing.get_type_hints(spec)) if typing_extensions.is_typeddict(spec) else []
+    return list(typing.get_type_hints(spec)) if _is_record(spec) else []
 
 
 def _strip(annotation: Any) -> Any:

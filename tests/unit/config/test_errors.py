@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from envloop.config.errors import ConfigError, config_from_mapping
+from envloop.config.errors import ConfigError
 from envloop.experience.rollout_options import RolloutOptions
 from envloop.models.generation.hf_generation import HfGenerationConfig
 
 
 def test_unknown_keys_and_bad_values_together():
     with pytest.raises(ConfigError) as info:
-        config_from_mapping(
-            RolloutOptions,
-            {"observation_fromat": "raw", "on_env_error": "ignore", "env_max_retries": -1},
-            "rollout options",
+        RolloutOptions.from_kwargs(
+            {"observation_fromat": "raw", "on_env_error": "ignore", "env_max_retries": -1}
         )
     assert info.value.problems == [
-        "observation_fromat: unknown option. Did you mean 'observation_format'?",
         "on_env_error: 'ignore' is not one of record, raise",
-        "env_max_retries: -1 must be an int >= 0",
+        "env_max_retries: must be >= 0, got -1",
+        "observation_fromat: unknown option. Did you mean 'observation_format'?",
     ]
-    assert str(info.value).startswith("Invalid rollout options:\n  - observation_fromat")
+    assert str(info.value).startswith("Invalid rollout options:\n  - on_env_error")
 
 
 def test_missing_required_field_is_named():
@@ -36,9 +34,7 @@ def test_missing_required_field_is_named():
 
 
 def test_valid_mapping_builds_the_config():
-    assert (
-        config_from_mapping(RolloutOptions, {"env_step_timeout_s": 2}, "x").env_step_timeout_s == 2
-    )
+    assert RolloutOptions.from_kwargs({"env_step_timeout_s": 2}).env_step_timeout_s == 2
 
 
 def test_config_error_survives_pickling():

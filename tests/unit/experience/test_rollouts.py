@@ -144,7 +144,7 @@ def test_timing_metrics_name_every_phase(tiny_tokenizer, policy):
 
 def test_on_turn_must_be_callable(tiny_tokenizer, policy):
     batch = make_batch(tiny_tokenizer, [guess_sample(37)])
-    with pytest.raises(ConfigError, match=r"on_turn: 'print' is not callable; pass a function"):
+    with pytest.raises(ConfigError, match=r"on_turn: expected a function \| None, got str"):
         run_multi_turn_rollout(policy, batch, tiny_tokenizer, ENVS, 512, on_turn="print")
 
 
