@@ -1,8 +1,11 @@
-"""Histograms as inline SVG for the run report: no scripts, no fonts, no network.
+"""Histograms for the run report, as numbers: ``histogram.svg.j2`` draws them as inline SVG
+(no scripts, no fonts, no network).
 
 :func:`histogram_bins` picks the bars (one per value when there are few distinct values,
-one per integer for counts such as turns, else equal-width bins) and :func:`histogram_svg`
-draws them with a y axis, count labels and a tooltip (``<title>``) per bar.
+one per integer for counts such as turns, else equal-width bins) and :func:`histogram`
+places them: bar rectangles, y-axis grid lines with their counts, x-axis tick labels and a
+tooltip per bar, in the coordinates of a ``WIDTH`` x ``HEIGHT`` view box. Its text (the
+axis label, the unit, the tooltips) is plain text, escaped by the template like any other.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from html import escape
 
 WIDTH, HEIGHT = 420, 210
 LEFT, RIGHT, TOP, BOTTOM = 40, 12, 16, 44
@@ -76,57 +78,68 @@ def _nice_top(count: int) -> tuple[int, int]:
     return step * math.ceil(count / step), step
 
 
-def histogram_svg(bins: list[Bin], *, x_label: str, color: str, unit: str = "samples") -> str:
-    """An SVG bar chart of ``bins``; ``x_label`` names the quantity (e.g. "total reward"),
-    ``unit`` (a plural ending in "s") what the bars count."""
+@dataclass(frozen=True)
+class Bar:
+    """One drawn bar: its rectangle (view-box units), its count and its tooltip text."""
+
+    x: float
+    y: float
+    width: float
+    height: float
+    count: int
+    tip: str
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """What ``histogram.svg.j2`` draws; coordinates are view-box units (``WIDTH`` x
+    ``HEIGHT``), the plot area spans ``LEFT`` to ``WIDTH - RIGHT`` and ``TOP`` to ``base``."""
+
+    x_label: str  # the quantity on the x axis, e.g. "total reward"
+    unit: str  # what the bars count, plural, e.g. "samples"
+    color: str  # the bars' fill, a "#rrggbb" colour
+    bars: list[Bar]  # empty when there was nothing to count
+    y_ticks: list[tuple[float, int]]  # (y, count) of each horizontal grid line
+    x_ticks: list[tuple[float, str]]  # (x, label) below the axis
+    show_counts: bool  # whether each bar carries its count as a label
+
+    width, height, left, right, top = WIDTH, HEIGHT, LEFT, WIDTH - RIGHT, TOP
+    base = TOP + HEIGHT - TOP - BOTTOM  # the x axis's y
+    middle = LEFT + (WIDTH - LEFT - RIGHT) / 2  # the x label's x
+    y_label_y = TOP + (HEIGHT - TOP - BOTTOM) / 2
+
+
+def histogram(bins: list[Bin], *, x_label: str, color: str, unit: str = "samples") -> Histogram:
+    """``bins`` placed as bars; ``x_label`` names the quantity (e.g. "total reward"),
+    ``unit`` (a plural ending in "s") what the bars count.
+
+    >>> h = histogram(histogram_bins([0.0, 1.0, 1.0]), x_label="total reward", color="#000")
+    >>> [b.tip for b in h.bars]
+    ['total reward 0: 1 sample', 'total reward 1: 2 samples']
+    >>> h.y_ticks[-1], h.x_ticks
+    ((16.0, 2), [(132.0, '0'), (316.0, '1')])
+    """
     if not bins:
-        return '<p class="empty">No data.</p>'
+        return Histogram(x_label, unit, color, [], [], [], False)
     plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
     top, step = _nice_top(max(b.count for b in bins))
     slot = plot_w / len(bins)
-    parts = [
-        f'<svg class="hist" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-        f'aria-label="histogram of {escape(x_label)}">'
-    ]
-    for tick in range(0, top + 1, step):
-        y = TOP + plot_h - plot_h * tick / top
-        parts.append(
-            f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{y:.1f}" y2="{y:.1f}"/>'
-        )
-        parts.append(f'<text class="ytick" x="{LEFT - 6}" y="{y + 3.5:.1f}">{tick}</text>')
+    y_ticks = [(TOP + plot_h - plot_h * tick / top, tick) for tick in range(0, top + 1, step)]
+    bars = []
     for i, b in enumerate(bins):
         h, bar_w = plot_h * b.count / top, min(slot * 0.76, 64)
-        x, y = LEFT + (i + 0.5) * slot - bar_w / 2, TOP + plot_h - h
         label = short(b.lo) if b.hi is None else f"{short(b.lo)} to {short(b.hi)}"
-        tip = f"{escape(x_label)} {label}: {b.count} {escape(unit if b.count != 1 else unit[:-1])}"
-        parts.append(
-            f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{bar_w:.1f}" '
-            f'height="{h:.1f}" fill="{color}" rx="2"><title>{tip}</title></rect>'
-        )
-        if b.count and len(bins) <= 16:
-            parts.append(
-                f'<text class="count" x="{x + bar_w / 2:.1f}" y="{y - 4:.1f}">{b.count}</text>'
-            )
-    parts += _x_ticks(bins, slot, TOP + plot_h)
-    middle = LEFT + plot_w / 2
-    parts.append(
-        f'<text class="xlabel" x="{middle:.1f}" y="{HEIGHT - 6}">{escape(x_label)}</text>'
-        f'<text class="ylabel" transform="translate(11 {TOP + plot_h / 2:.1f}) rotate(-90)">'
-        f"{escape(unit)}</text></svg>"
-    )
-    return "".join(parts)
+        tip = f"{x_label} {label}: {b.count} {unit if b.count != 1 else unit[:-1]}"
+        x, y = LEFT + (i + 0.5) * slot - bar_w / 2, TOP + plot_h - h
+        bars.append(Bar(x, y, bar_w, h, b.count, tip))
+    return Histogram(x_label, unit, color, bars, y_ticks, _x_ticks(bins, slot), len(bins) <= 16)
 
 
-def _x_ticks(bins: list[Bin], slot: float, base: float) -> list[str]:
+def _x_ticks(bins: list[Bin], slot: float) -> list[tuple[float, str]]:
     """Tick labels: bar centres for one-value bars, bin edges (at most ~7) otherwise."""
     if bins[0].hi is None:
         every = max(1, math.ceil(len(bins) / 14))
-        ticks = [(LEFT + (i + 0.5) * slot, short(b.lo)) for i, b in enumerate(bins)][::every]
-    else:
-        edges = [b.lo for b in bins] + [bins[-1].hi or bins[-1].lo]
-        every = max(1, math.ceil(len(edges) / 7))
-        ticks = [(LEFT + i * slot, short(e)) for i, e in enumerate(edges)][::every]
-    line = f'<line class="axis" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{base:.1f}" y2="{base:.1f}"/>'
-    return [line] + [
-        f'<text class="xtick" x="{x:.1f}" y="{base + 15:.1f}">{t}</text>' for x, t in ticks
-    ]
+        return [(LEFT + (i + 0.5) * slot, short(b.lo)) for i, b in enumerate(bins)][::every]
+    edges = [b.lo for b in bins] + [bins[-1].hi or bins[-1].lo]
+    every = max(1, math.ceil(len(edges) / 7))
+    return [(LEFT + i * slot, short(e)) for i, e in enumerate(edges)][::every]

@@ -3,38 +3,55 @@
 ``report.html`` holds the run summary (tiles, a per-task table, config highlights and every
 metric), inline-SVG histograms (reward per task, turns, tokens per sample) and a browsable
 list of trajectories (filter by task and outcome, search the text, sort, click to expand
-each turn's role, text and reward). CSS and JavaScript are inlined from
-``envloop/report/assets``; a Content-Security-Policy forbids every network request, so the
-page works offline and shows the same thing everywhere. The trajectories travel as JSON in a
-``<script type="application/json">`` block (``<``, ``>`` and ``&`` written as ``\\u003c``
-escapes) and are rendered with ``textContent``, so no message text can become markup.
+each turn's role, text and reward). The headline gives each task's mean reward, and a mean
+over all tasks only when their rewards share a scale (:func:`off_scale_tasks`).
+
+This module gathers what the page shows as plain text and numbers (:func:`report_context`);
+the jinja2 templates of ``envloop/report/assets`` (``report.html.j2``, ``sections.html.j2``,
+``histogram.svg.j2``) write the HTML, autoescaped, so every text from a run is escaped by
+jinja2 (see :mod:`envloop.report.templates`). CSS and JavaScript are inlined from the same
+folder; a Content-Security-Policy forbids every network request, so the page works offline
+and shows the same thing everywhere. The trajectories travel as JSON in a
+``<script type="application/json">`` block (jinja2's ``tojson``: ``<``, ``>``, ``&`` and
+``'`` written as ``\\u003c`` escapes) and the page's script renders them with
+``textContent``, so no message text can become markup.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from collections.abc import Callable
-from html import escape
-from importlib import resources
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from envloop.report.charts import histogram_bins, histogram_svg
-from envloop.report.sections import (
-    config_section,
-    fmt,
-    kpi_tiles,
-    metrics_section,
-    table,
-    task_badge,
-)
+from envloop.report.charts import Histogram, histogram, histogram_bins
+from envloop.report.sections import TaskRow, config_view, fmt, metrics_view
+from envloop.report.templates import render
 from envloop.run.files import load_config, load_metrics, load_rollouts, message_tokens
 
 REPORT_FILE = "report.html"
+TEMPLATE = "report.html.j2"
 PALETTE = ["#4263eb", "#e8590c", "#2f9e44", "#c2255c", "#7048e8", "#1098ad", "#f59f00"]
 TURNS_COLOR, TOKENS_COLOR, GENERATED_COLOR = "#5c7cfa", "#15aabf", "#82c91e"
+
+
+class Tile(NamedTuple):
+    """A headline figure: its value, what it is and a note, all plain text. A task's tile
+    carries the task's colour (shown as a dot) and has the task's name as its label."""
+
+    value: str
+    label: str
+    note: str
+    color: str | None = None
+
+
+class Card(NamedTuple):
+    """A chart with its title and note; a task's chart carries the task's colour."""
+
+    title: str
+    note: str
+    chart: Histogram
+    color: str | None = None
 
 
 def build_report(run_dir: str | Path) -> Path:
@@ -55,97 +72,169 @@ def render_report(
     title: str,
 ) -> str:
     """The report page for ``records`` (rollouts.jsonl objects) as one HTML string."""
+    return render(TEMPLATE, **report_context(records, config, metrics, title))
+
+
+def report_context(
+    records: list[dict[str, Any]],
+    config: dict[str, Any] | None,
+    metrics: dict[str, Any] | None,
+    title: str,
+) -> dict[str, Any]:
+    """Every variable the page's template uses, as plain text, numbers and named tuples."""
     tasks = list(dict.fromkeys(r["task"] for r in records))
     colors = {task: PALETTE[i % len(PALETTE)] for i, task in enumerate(tasks)}
     by_task = {task: [r for r in records if r["task"] == task] for task in tasks}
     model = ((config or {}).get("policy") or {}).get("model")
-    values = {
-        "title": escape(title),
-        "subtitle": escape(
-            f"{len(records)} sample{'s' * (len(records) != 1)} · "
-            f"{len(tasks)} task{'s' * (len(tasks) != 1)}" + (f" · policy {model}" if model else "")
-        ),
-        "kpis": kpi_tiles(_kpis(records, metrics, len(tasks))),
-        "task_table": _task_table(by_task, colors, config),
+    tiles, tiles_note = _headline(records, by_task, colors, metrics)
+    return {
+        "title": title,
+        "subtitle": f"{_plural(len(records), 'sample')} · {_plural(len(tasks), 'task')}"
+        + (f" · policy {model}" if model else ""),
+        "tiles": tiles,
+        "tiles_note": tiles_note,
+        "task_headers": TASK_HEADERS,
+        "task_rows": [
+            _task_row(task, colors[task], mine, config) for task, mine in by_task.items()
+        ],
         "charts": _charts(records, by_task, colors),
-        "config": config_section(config, colors),
-        "metrics": metrics_section(metrics),
-        "data": _script_json({"colors": colors, "samples": [_trajectory(r) for r in records]}),
-        "css": _asset("report.css"),
-        "js": _asset("report.js"),
+        "config": config_view(config, colors),
+        "metrics": metrics_view(metrics),
+        "data": _finite({"colors": colors, "samples": [_trajectory(r) for r in records]}),
     }
-    return re.sub(r"\{\{(\w+)\}\}", lambda m: values[m.group(1)], _asset("report.html"))
 
 
-def _kpis(records: list[dict], metrics: dict | None, num_tasks: int) -> list[tuple[str, str, str]]:
-    n = max(len(records), 1)
-    rewards = [_reward(r) for r in records] or [0.0]
-    turns = [r.get("num_turns", 0) for r in records] or [0]
-    tokens = [t for t in map(message_tokens, records) if t is not None]
-    truncated = sum(bool(r.get("truncated")) for r in records)
-    errors = sum(r.get("error") is not None for r in records)
-    wall = (metrics or {}).get("wall_time_s")
+def off_scale_tasks(rewards: Mapping[str, Sequence[float]]) -> list[str]:
+    """The tasks (keys of ``rewards``, each task's sample rewards) with a reward outside
+    [0, 1].
+
+    The headline averages rewards across tasks only when there are several tasks and this
+    is empty. Rewards in [0, 1] are success-like scores (pass or fail, solve rates, graded
+    fractions), so their mean over all samples is a success rate. A task with a reward
+    outside [0, 1] (a reward model's raw scores, penalties, bonuses) has a scale of its
+    own, and averaging it with other tasks gives a number neither scale can read (the
+    demo's 0/1 math rewards and raw reward-model scores average to 2.692). NaN (a missing
+    reward) says nothing about the scale and is left out.
+
+    >>> off_scale_tasks({"math": [0.0, 1.0], "puzzle": [1.0, -0.1], "rm": [8.0, math.inf]})
+    ['puzzle', 'rm']
+    >>> off_scale_tasks({"math": [0.0, 1.0], "graded": [0.25, math.nan]})
+    []
+    """
     return [
-        ("samples", fmt(len(records)), f"{num_tasks} task{'s' * (num_tasks != 1)}"),
-        (
-            "mean reward",
-            fmt(sum(rewards) / n),
-            f"min {fmt(min(rewards))} · max {fmt(max(rewards))}",
-        ),
-        ("mean turns", fmt(sum(turns) / n), f"max {max(turns)}"),
-        ("mean tokens", fmt(sum(tokens) / len(tokens)) if tokens else "-", "per sample"),
-        ("truncated", fmt(truncated), f"{100 * truncated / n:.0f}% of samples"),
-        ("env errors", fmt(errors), f"{100 * errors / n:.0f}% of samples"),
-        ("wall time", f"{fmt(wall)} s" if wall is not None else "-", "whole run"),
+        task
+        for task, values in rewards.items()
+        if any(not math.isnan(x) and not 0.0 <= x <= 1.0 for x in values)
     ]
 
 
-def _task_table(by_task: dict[str, list[dict]], colors: dict[str, str], config: dict | None) -> str:
+def _headline(
+    records: list[dict],
+    by_task: dict[str, list[dict]],
+    colors: dict[str, str],
+    metrics: dict | None,
+) -> tuple[list[Tile], str]:
+    """The summary tiles, and a line saying why no overall mean reward is shown (or "")."""
+    rewards = {task: [_reward(r) for r in mine] for task, mine in by_task.items()}
+    turns = [r.get("num_turns", 0) for r in records]
+    tokens = [t for t in map(message_tokens, records) if t is not None]
+    n = max(len(records), 1)
+    truncated = sum(bool(r.get("truncated")) for r in records)
+    errors = sum(r.get("error") is not None for r in records)
+    wall = (metrics or {}).get("wall_time_s")
+    reward_tiles, note = _reward_tiles(rewards, colors)
+    tiles = [
+        Tile(fmt(len(records)), "samples", _plural(len(by_task), "task")),
+        *reward_tiles,
+        Tile(fmt(sum(turns) / n), "mean turns", f"max {max(turns, default=0)}"),
+        Tile(fmt(_mean(tokens)) if tokens else "-", "mean tokens", "per sample"),
+        Tile(fmt(truncated), "truncated", f"{100 * truncated / n:.0f}% of samples"),
+        Tile(fmt(errors), "env errors", f"{100 * errors / n:.0f}% of samples"),
+        Tile(f"{fmt(wall)} s" if wall is not None else "-", "wall time", "whole run"),
+    ]
+    return tiles, note
+
+
+def _reward_tiles(
+    rewards: dict[str, list[float]], colors: dict[str, str]
+) -> tuple[list[Tile], str]:
+    """A mean-reward tile per task, preceded by one for all tasks when there are several
+    and their rewards share a scale (see :func:`off_scale_tasks`); else a line saying why
+    there is no overall mean."""
+    tiles = [
+        Tile(fmt(_mean(values)), task, f"mean reward · {_range(values)}", colors[task])
+        for task, values in rewards.items()
+    ]
+    if len(rewards) < 2:
+        return tiles, ""
+    off_scale = off_scale_tasks(rewards)
+    if off_scale:
+        names = ", ".join(off_scale)
+        return tiles, (
+            f"No mean reward over all tasks: the rewards of {names} lie outside [0, 1], so "
+            "the tasks' reward scales may differ; each task's mean is shown on its own."
+        )
+    every = [x for values in rewards.values() for x in values]
+    overall = Tile(
+        fmt(_mean(every)), "mean reward", f"all tasks, every reward in [0, 1] · {_range(every)}"
+    )
+    return [overall, *tiles], ""
+
+
+TASK_HEADERS = ["task", "environment", "samples", "mean reward", "min", "max", "reward > 0",
+                "mean turns", "mean tokens", "truncated", "errors"]  # fmt: skip
+"""The task table's columns; from "samples" on they are numbers (aligned right)."""
+
+
+def _task_row(task: str, color: str, records: list[dict], config: dict | None) -> TaskRow:
     envs = (config or {}).get("envs") or {}
-    rows = []
-    for task, records in by_task.items():
-        rewards = [_reward(r) for r in records]
-        tokens = [t for t in map(message_tokens, records) if t is not None]
-        rows.append([
-            task_badge(task, colors[task]), fmt((envs.get(task) or {}).get("name")),
-            fmt(len(records)), fmt(sum(rewards) / len(rewards)), fmt(min(rewards)),
-            fmt(max(rewards)), f"{100 * sum(x > 0 for x in rewards) / len(rewards):.0f}%",
-            fmt(sum(r.get("num_turns", 0) for r in records) / len(records)),
-            fmt(sum(tokens) / len(tokens)) if tokens else "-",
-            fmt(sum(bool(r.get("truncated")) for r in records)),
-            fmt(sum(r.get("error") is not None for r in records)),
-        ])  # fmt: skip
-    headers = ["task", "environment", "samples", "mean reward", "min", "max", "reward > 0",
-               "mean turns", "mean tokens", "truncated", "errors"]  # fmt: skip
-    return table(headers, rows, numeric_from=2)
+    rewards = [_reward(r) for r in records]
+    tokens = [t for t in map(message_tokens, records) if t is not None]
+    positive = sum(x > 0 for x in rewards) / len(rewards)
+    return TaskRow(task, color, [
+        fmt((envs.get(task) or {}).get("name")), fmt(len(records)), fmt(_mean(rewards)),
+        fmt(min(rewards)), fmt(max(rewards)), f"{100 * positive:.0f}%",
+        fmt(sum(r.get("num_turns", 0) for r in records) / len(records)),
+        fmt(_mean(tokens)) if tokens else "-",
+        fmt(sum(bool(r.get("truncated")) for r in records)),
+        fmt(sum(r.get("error") is not None for r in records)),
+    ])  # fmt: skip
 
 
-def _charts(records: list[dict], by_task: dict[str, list[dict]], colors: dict[str, str]) -> str:
+def _charts(
+    records: list[dict], by_task: dict[str, list[dict]], colors: dict[str, str]
+) -> list[Card]:
     cards = []
     for task, mine in by_task.items():
         rewards = [_reward(r) for r in mine]
-        note = f"n = {len(rewards)} · mean {fmt(sum(rewards) / len(rewards))}"
-        svg = histogram_svg(histogram_bins(rewards), x_label="total reward", color=colors[task])
-        cards.append(_card(f"{task_badge(task, colors[task])} reward", note, svg))
+        note = f"n = {len(rewards)} · mean {fmt(_mean(rewards))}"
+        chart = histogram(histogram_bins(rewards), x_label="total reward", color=colors[task])
+        cards.append(Card(f"{task} reward", note, chart, colors[task]))
     turns = [int(r.get("num_turns", 0)) for r in records]
     tokens = [t for t in map(message_tokens, records) if t is not None]
     generated = [_generated_tokens(r) for r in records]
-    for title, values, color, label, integer in [
-        ("Turns per sample", turns, TURNS_COLOR, "turns", True),
-        ("Tokens per sample", tokens, TOKENS_COLOR, "tokens, all messages", True),
-        ("Generated tokens per sample", generated, GENERATED_COLOR, "assistant tokens", True),
+    for title, values, color, label in [
+        ("Turns per sample", turns, TURNS_COLOR, "turns"),
+        ("Tokens per sample", tokens, TOKENS_COLOR, "tokens, all messages"),
+        ("Generated tokens per sample", generated, GENERATED_COLOR, "assistant tokens"),
     ]:  # fmt: skip
-        note = f"n = {len(values)} · mean {fmt(sum(values) / len(values))}" if values else ""
-        svg = histogram_svg(histogram_bins(values, integer=integer), x_label=label, color=color)
-        cards.append(_card(escape(title), note, svg))
-    return "".join(cards)
+        note = f"n = {len(values)} · mean {fmt(_mean(values))}" if values else ""
+        chart = histogram(histogram_bins(values, integer=True), x_label=label, color=color)
+        cards.append(Card(title, note, chart))
+    return cards
 
 
-def _card(title_html: str, note: str, svg: str) -> str:
-    return (
-        f'<figure class="chart"><figcaption><span class="chart-title">{title_html}</span>'
-        f'<span class="chart-note">{escape(note)}</span></figcaption>{svg}</figure>'
-    )
+def _mean(values: Sequence[float]) -> float:
+    """The mean (NaN when a value is NaN, or when there is none)."""
+    return sum(values) / len(values) if values else math.nan
+
+
+def _range(values: Sequence[float]) -> str:
+    return f"min {fmt(min(values))} · max {fmt(max(values))}" if values else ""
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
 
 
 def _reward(record: dict[str, Any]) -> float:
@@ -175,12 +264,6 @@ def _trajectory(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _script_json(value: Any) -> str:
-    """JSON safe inside ``<script>``: no ``<``, ``>`` or ``&`` survives literally."""
-    text = json.dumps(_finite(value), ensure_ascii=False, default=str)
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
 def _finite(value: Any) -> Any:
     """``value`` with NaN and infinities as strings (JSON has no literal for them)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -190,10 +273,6 @@ def _finite(value: Any) -> Any:
     if isinstance(value, list):
         return [_finite(v) for v in value]
     return value
-
-
-def _asset(name: str) -> str:
-    return (resources.files("envloop.report") / "assets" / name).read_text(encoding="utf-8")
 
 
 def _optional(load: Callable[[Path], dict[str, Any]], run_dir: Path) -> dict[str, Any] | None:

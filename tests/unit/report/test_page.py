@@ -6,35 +6,64 @@ from __future__ import annotations
 import json
 import re
 from html.parser import HTMLParser
+from importlib import resources
 from pathlib import Path
 
+import jinja2
 import pytest
+from jinja2 import meta
 
-from envloop.report.page import PALETTE, TOKENS_COLOR, TURNS_COLOR, build_report, render_report
+from envloop.report.page import (
+    PALETTE,
+    TEMPLATE,
+    TOKENS_COLOR,
+    TURNS_COLOR,
+    build_report,
+    off_scale_tasks,
+    render_report,
+    report_context,
+)
 from envloop.report.sections import fmt
+from envloop.report.templates import environment, render
 from tests.fixtures.chromium import chromium, dump_dom, screenshot
 from tests.fixtures.png_image import read_png
-from tests.fixtures.run_dirs import RM_TEXT, fixture_metrics, fixture_records, write_run_dir
+from tests.fixtures.run_dirs import (
+    RM_TEXT,
+    fixture_config,
+    fixture_metrics,
+    fixture_records,
+    write_run_dir,
+)
 
 needs_chromium = pytest.mark.skipif(
     chromium() is None, reason="chromium is not installed (apt-get install -y chromium)"
 )
 
 
+VOID = {"meta", "input", "br", "img", "link", "hr"}  # elements with no end tag
+
+
 class Page(HTMLParser):
-    """Tables (cell texts by row), start tags with attributes, and script bodies."""
+    """Tables (cell texts by row), start tags with attributes, script bodies, and the text
+    of every element by tag name and by ``.class`` (character references decoded)."""
 
     def __init__(self, html: str) -> None:
         super().__init__()
         self.tags: list[tuple[str, dict[str, str | None]]] = []
         self.tables: list[list[list[str]]] = []
         self.scripts: list[str] = []
+        self.texts: dict[str, list[str]] = {}
+        self._open: list[tuple[str, list[str], list[str]]] = []  # tag, keys, text so far
         self._cell: list[str] | None = None
         self._in_script = False
         self.feed(html)
+        self.close()
 
     def handle_starttag(self, tag, attrs):
         self.tags.append((tag, dict(attrs)))
+        if tag not in VOID:
+            classes = (dict(attrs).get("class") or "").split()
+            self._open.append((tag, [tag] + ["." + c for c in classes], []))
         if tag == "table":
             self.tables.append([])
         elif tag == "tr":
@@ -46,6 +75,14 @@ class Page(HTMLParser):
             self.scripts.append("")
 
     def handle_endtag(self, tag):
+        while self._open:
+            name, keys, text = self._open.pop()
+            for key in keys:
+                self.texts.setdefault(key, []).append("".join(text).strip())
+            if self._open:
+                self._open[-1][2].extend(text)
+            if name == tag:
+                break
         if tag in ("td", "th") and self._cell is not None:
             self.tables[-1][-1].append("".join(self._cell).strip())
             self._cell = None
@@ -53,6 +90,8 @@ class Page(HTMLParser):
             self._in_script = False
 
     def handle_data(self, data):
+        if self._open:
+            self._open[-1][2].append(data)
         if self._cell is not None:
             self._cell.append(data)
         if self._in_script:
@@ -61,6 +100,12 @@ class Page(HTMLParser):
     def kv(self) -> dict[str, str]:
         """Every two-cell row of every table: first cell -> second."""
         return {r[0]: r[1] for t in self.tables for r in t if len(r) == 2}
+
+    def tiles(self) -> list[tuple[str, str, str]]:
+        """The headline tiles: ``(label, value, note)``."""
+        return list(
+            zip(self.texts[".kpi-label"], self.texts[".kpi-value"], self.texts[".kpi-note"])
+        )
 
 
 def strict_json(text: str):
@@ -104,7 +149,7 @@ def test_build_report_writes_one_self_contained_page(run_dir, report):
 
 def test_summary_numbers_match_the_run(report):
     page = Page(report[1])
-    metrics, records = fixture_metrics(fixture_records()), fixture_records()
+    metrics = fixture_metrics(fixture_records())
     tasks = {row[0]: row for row in page.tables[0][1:]}
     assert list(tasks) == ["math", "sliding_puzzle", "preference"]
     for task, stats in metrics["per_task"].items():
@@ -118,12 +163,19 @@ def test_summary_numbers_match_the_run(report):
         assert kv[key] == fmt(value)
     assert kv["wall_time_s"] == "12.5" and kv["policy.model"] == "bundled:policy"
     assert kv["rollout.max_turns"] == "4" and kv["rollout.observation_format"] == "chat_template"
-    tiles = re.findall(r'kpi-value">([^<]*)</div><div class="kpi-label">([^<]*)<', report[1])
-    mean = sum(r["total_reward"] for r in records) / len(records)
-    assert dict((label, value) for value, label in tiles) == {
-        "samples": "8", "mean reward": fmt(mean), "mean turns": "1.375",
-        "mean tokens": "50.62", "truncated": "1", "env errors": "1", "wall time": "12.5 s",
-    }  # fmt: skip
+    per_task = {task: fmt(stats["mean_reward"]) for task, stats in metrics["per_task"].items()}
+    assert page.tiles() == [
+        ("samples", "8", "3 tasks"),
+        ("math", per_task["math"], "mean reward · min 0 · max 1"),
+        ("sliding_puzzle", per_task["sliding_puzzle"], "mean reward · min 0 · max 1"),
+        ("preference", per_task["preference"], "mean reward · min -0.375 · max 0.8125"),
+        ("mean turns", "1.375", "max 2"), ("mean tokens", "50.62", "per sample"),
+        ("truncated", "1", "12% of samples"), ("env errors", "1", "12% of samples"),
+        ("wall time", "12.5 s", "whole run"),
+    ]  # fmt: skip
+    assert per_task == {"math": "0.5", "sliding_puzzle": "0.5", "preference": "0.2188"}
+    dots = [a["style"] for t, a in page.tags if a.get("class") == "dot"][:3]
+    assert dots == [f"background:{color}" for color in PALETTE[:3]]  # the tiles' task colours
 
 
 def test_histograms_count_every_sample(report):
@@ -154,6 +206,113 @@ def test_run_text_is_escaped_everywhere(tmp_path):
     assert data["samples"][6]["messages"][2]["content"] == RM_TEXT
     assert data["samples"][7]["task"] == "<i>evil</i>"
     assert list(data["colors"]) == ["math", "sliding_puzzle", "preference", "<i>evil</i>"]
+
+
+EVIL = "<script>alert(1)</script>{{ x }}</script>&amp;"
+EVIL_HTML = "&lt;script&gt;alert(1)&lt;/script&gt;{{ x }}&lt;/script&gt;&amp;amp;"
+
+
+def evil_run() -> tuple[list[dict], dict, dict]:
+    """The fixture run with EVIL as a task name, a message, config values (the model, the
+    data path, an environment's name and config), metric names and a metric value."""
+    records = fixture_records()
+    records[7]["task"] = EVIL
+    records[0]["messages"][0]["content"] = EVIL
+    config = fixture_config()
+    config["policy"]["model"] = config["data"]["path"] = EVIL
+    config["envs"][EVIL] = {"name": EVIL, "config": {"k": EVIL}}
+    metrics = fixture_metrics(records)
+    metrics["rollout"][EVIL] = 1.5
+    metrics["envs"][EVIL] = {"acc/" + EVIL: EVIL}
+    return records, config, metrics
+
+
+def test_user_text_is_escaped_by_the_templates_everywhere():
+    records, config, metrics = evil_run()
+    html = render_report(records, config, metrics, EVIL)
+    page = Page(html)
+    assert [t for t, _ in page.tags].count("script") == 2 and html.count("</script>") == 2
+    assert "<script>alert" not in html and "&amp;amp;" in html
+    # each place shows the text exactly (escaped once: decoding gives it back whole)
+    assert page.texts["title"][0] == f"envloop run report: {EVIL}" and page.texts["h1"] == [EVIL]
+    assert page.texts[".subtitle"] == [f"8 samples · 4 tasks · policy {EVIL}"]
+    assert page.tiles()[4] == (EVIL, "-0.375", "mean reward · min -0.375 · max -0.375")
+    assert [row[0] for row in page.tables[0][1:]][3] == EVIL  # the task table
+    assert f"{EVIL} reward" in page.texts[".chart-title"]
+    kv = page.kv()
+    assert kv["policy.model"] == kv["data.path"] == kv["acc/" + EVIL] == EVIL
+    assert kv[EVIL] == "1.5"
+    envs_table = page.tables[2]
+    assert envs_table[0] == ["task", "environment", "config"]
+    assert envs_table[4] == [EVIL, EVIL, f"k={EVIL}"]
+    assert f"Environment: {EVIL}" in page.texts["h3"]
+    assert f"path: {EVIL}" in page.texts[".code"][0]  # the full config.yaml
+    visible = "".join(page.texts["body"]) + page.texts["title"][0]
+    # title, h1, subtitle, tile, headline note, task table (task, environment), chart title,
+    # 2 highlights, environments table (3 cells), config.yaml (5 lines), 4 metric texts
+    assert html.count(EVIL_HTML) == visible.count(EVIL) == 22  # and no unescaped copy
+    data = strict_json(page.scripts[0])
+    assert not set("<>&") & set(page.scripts[0])
+    assert data["samples"][7]["task"] == EVIL
+    assert data["samples"][0]["messages"][0]["content"] == EVIL
+    assert list(data["colors"]) == ["math", "sliding_puzzle", "preference", EVIL]
+
+
+def test_template_variables_are_exactly_the_context_and_a_missing_one_is_an_error():
+    context = report_context(fixture_records(), fixture_config(), None, "run")
+    source = environment().loader.get_source(environment(), TEMPLATE)[0]
+    assert meta.find_undeclared_variables(environment().parse(source)) == set(context)
+    del context["title"]
+    with pytest.raises(jinja2.UndefinedError, match="'title' is undefined"):
+        render(TEMPLATE, **context)
+
+
+def test_css_and_js_are_inlined_verbatim(report):
+    page = Page(report[1])
+    assets = resources.files("envloop.report") / "assets"
+    assert page.texts["style"] == [(assets / "report.css").read_text("utf-8").strip()]
+    assert page.scripts[1] == (assets / "report.js").read_text("utf-8")
+
+
+def test_headline_gives_per_task_means_when_reward_scales_differ(report):
+    page = Page(report[1])  # preference's raw scores (-0.375) beside 0/1 math and puzzle
+    labels = [label for label, _, _ in page.tiles()]
+    assert labels == ["samples", "math", "sliding_puzzle", "preference", "mean turns",
+                      "mean tokens", "truncated", "env errors", "wall time"]  # fmt: skip
+    assert page.texts[".kpis-note"] == [
+        "No mean reward over all tasks: the rewards of preference lie outside [0, 1], so the "
+        "tasks' reward scales may differ; each task's mean is shown on its own."
+    ]
+
+
+def test_headline_gives_an_overall_mean_when_every_reward_lies_in_0_1(tmp_path):
+    run = write_run_dir(tmp_path / "unit", rm_rewards=(0.8125, 0.25))
+    page = Page(build_report(run).read_text(encoding="utf-8"))
+    assert page.tiles()[1:5] == [
+        ("mean reward", "0.5078", "all tasks, every reward in [0, 1] · min 0 · max 1"),
+        ("math", "0.5", "mean reward · min 0 · max 1"),
+        ("sliding_puzzle", "0.5", "mean reward · min 0 · max 1"),
+        ("preference", "0.5312", "mean reward · min 0.25 · max 0.8125"),
+    ]  # (1 + 1 + 1 + 0.8125 + 0.25) / 8 = 0.5078
+    assert page.tiles()[5][0] == "mean turns" and ".kpis-note" not in page.texts
+
+
+def test_headline_of_one_task_is_its_mean_whatever_its_scale(tmp_path):
+    records = [r for r in fixture_records(rm_rewards=(8.5, -1.5)) if r["task"] == "preference"]
+    page = Page(build_report(write_run_dir(tmp_path / "rm", records=records)).read_text())
+    assert page.tiles()[:2] == [
+        ("samples", "2", "1 task"),
+        ("preference", "3.5", "mean reward · min -1.5 · max 8.5"),
+    ]
+    assert ".kpis-note" not in page.texts
+
+
+def test_off_scale_tasks_reads_the_demo_as_mixed():
+    demo = {"math": [0.0, 1.0, 1.0], "sliding_puzzle": [1.0], "reward_model": [8.0, -1.3]}
+    assert off_scale_tasks(demo) == ["reward_model"]
+    assert off_scale_tasks({"math": [0.0, 1.0], "sliding_puzzle": [1.0, 0.0]}) == []
+    assert off_scale_tasks({"a": [1.0], "b": [1.5], "c": [-0.01]}) == ["b", "c"]
+    assert off_scale_tasks({"a": [float("nan")], "b": [float("inf")]}) == ["b"]
 
 
 def test_trajectory_data_keeps_every_turn(report):
