@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 
 class ConfigError(ValueError):
@@ -52,31 +51,6 @@ def prefixed(problems: Iterable[str], prefix: str) -> list[str]:
 'envs.math.config: expected a mapping, got list']
     """
     return [f"{prefix}.{p}" if ":" in p.split(" ")[0] else f"{prefix}: {p}" for p in problems]
-
-
-ConfigT = TypeVar("ConfigT")
-
-
-def config_from_mapping(cls: type[ConfigT], options: Mapping[str, Any], what: str) -> ConfigT:
-    """Build dataclass ``cls`` from ``options``, reporting unknown keys, missing required
-    fields and bad values (from the dataclass's own validation) in one :class:`ConfigError`.
-    """
-    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-    missing = [f"{f.name}: required" for f in fields if _required(f) and f.name not in options]
-    problems = unknown_keys(options, [f.name for f in fields]) + missing
-    built = None
-    if not missing:
-        try:
-            built = cls(**{f.name: options[f.name] for f in fields if f.name in options})
-        except ConfigError as exc:
-            problems += exc.problems
-    if problems or built is None:
-        raise ConfigError(what, problems)
-    return built
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 def typed_dict_problems(config: Any, spec: type, what: str = "config") -> list[str]:

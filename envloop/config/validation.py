@@ -252,6 +252,8 @@ def _message(error: dict[str, Any]) -> str:
         if isinstance(limit, float) and limit.is_integer():
             limit = int(limit)  # a float field's bound reads as written: ">= 0", not ">= 0.0"
         return f"must be {bounds[kind]} {limit}, got {value!r}"
+    if kind == "value_error":  # a validator's own problem line (e.g. options in conflict)
+        return str(ctx.get("error", error["msg"]))
     if kind == "finite_number":
         return f"must be a finite number, got {value!r}"
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):

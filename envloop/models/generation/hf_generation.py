@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from envloop.config.errors import ConfigError, config_from_mapping
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
@@ -25,74 +23,15 @@ from envloop.models.generation.generation_batches import (
     generation_columns,
     sample_budgets,
 )
+from envloop.models.generation.hf_config import HfGenerationConfig
 from envloop.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
     GenerationOutputSpec,
 )
-from envloop.models.generation.threads import DEFAULT_CPU_THREADS, set_cpu_threads
+from envloop.models.generation.threads import set_cpu_threads
 
-_DEVICES = ("cpu", "cuda", "auto")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class HfGenerationConfig:
-    """Settings of :class:`HfGeneration`, validated on construction (all problems at once).
-
-    >>> HfGenerationConfig(model_name="Qwen/Qwen3-0.6B", top_p=0.9).tokenizer_name
-    'Qwen/Qwen3-0.6B'
-    >>> HfGenerationConfig(model_name="m", temperature=0, num_workers=0)
-    Traceback (most recent call last):
-    ...
-    envloop.config.errors.ConfigError: Invalid HfGenerationConfig:
-      - temperature: 0 must be a number > 0 (use generate(..., greedy=True) for argmax)
-      - num_workers: 0 must be an int >= 1
-    """
-
-    model_name: str
-    """Local folder, hub id or ``bundled:<name>`` (see :mod:`envloop.models.bundled`), loaded with
-    ``AutoModelForCausalLM.from_pretrained``."""
-    tokenizer_name: str | None = None
-    """Folder, hub id or ``bundled:<name>`` of the tokenizer; None uses ``model_name``."""
-    device: str = "cpu"
-    """``cpu``, ``cuda``, or ``auto`` (cuda when available, else cpu)."""
-    dtype: str = "float32"
-    """Weights dtype: ``float32``, ``bfloat16`` or ``float16``."""
-    temperature: float = 1.0
-    """Logits are divided by it before top-k/top-p filtering; > 0."""
-    top_p: float = 1.0
-    """Nucleus sampling mass, 0 < top_p <= 1; 1 keeps every token."""
-    top_k: int | None = None
-    """Keep only the k most likely tokens (>= 1); None keeps all."""
-    max_new_tokens: int = 512
-    """Most tokens generated per sample (>= 1); a per-sample budget in the batch may lower it."""
-    micro_batch_size: int = 8
-    """Rows decoded together in one forward pass (per worker)."""
-    seed: int = 0
-    """Seeds the sampling generator; worker ``i`` uses ``seed + i``."""
-    num_workers: int = 1
-    """1: generate in this process. N > 1: N Ray actors, each with its own model copy."""
-    worker_num_cpus: float = 1.0
-    """CPUs Ray reserves for each worker actor (``num_workers > 1`` only)."""
-    worker_num_gpus: float = 0.0
-    """GPUs Ray reserves for each worker actor; must be > 0 for ``device='cuda'`` workers."""
-    cpu_threads: int | None = DEFAULT_CPU_THREADS
-    """torch threads of the process that generates on CPU (this one, or each worker actor);
-    process-wide (see :mod:`~envloop.models.generation.threads`). None: torch's default (one
-    per core), fastest only on an otherwise idle machine. Ignored on cuda."""
-
-    def __post_init__(self) -> None:
-        if self.tokenizer_name is None:
-            object.__setattr__(self, "tokenizer_name", self.model_name)
-        problems = _config_problems(self)
-        if problems:
-            raise ConfigError("HfGenerationConfig", problems)
-
-    @classmethod
-    def from_dict(cls, options: dict[str, Any]) -> HfGenerationConfig:
-        """Build from a plain dict, reporting unknown keys together with bad values."""
-        return config_from_mapping(cls, options, "HfGenerationConfig")
 
 
 class HfGeneration(GenerationInterface):
@@ -224,63 +163,6 @@ class HfGeneration(GenerationInterface):
 
 
 _OUTPUT_PAD_VALUES: dict[str, int | float] = {"logprobs": 0.0}
-
-
-def _config_problems(cfg: HfGenerationConfig) -> list[str]:
-    """One line per bad field of ``cfg``, each naming the field and the fix."""
-    checks = [
-        ("model_name", isinstance(cfg.model_name, str) and cfg.model_name, "a folder or hub id"),
-        (
-            "tokenizer_name",
-            isinstance(cfg.tokenizer_name, str) and cfg.tokenizer_name,
-            "a folder or hub id, or None",
-        ),
-        ("device", cfg.device in _DEVICES, f"one of {', '.join(_DEVICES)}"),
-        ("dtype", cfg.dtype in _DTYPES, f"one of {', '.join(_DTYPES)}"),
-        (
-            "temperature",
-            _is_number(cfg.temperature) and cfg.temperature > 0,
-            "a number > 0 (use generate(..., greedy=True) for argmax)",
-        ),
-        ("top_p", _is_number(cfg.top_p) and 0 < cfg.top_p <= 1, "a number in (0, 1]"),
-        ("top_k", cfg.top_k is None or _is_int(cfg.top_k, 1), "None or an int >= 1"),
-        ("max_new_tokens", _is_int(cfg.max_new_tokens, 1), "an int >= 1"),
-        ("micro_batch_size", _is_int(cfg.micro_batch_size, 1), "an int >= 1"),
-        ("seed", _is_int(cfg.seed, 0), "an int >= 0"),
-        ("num_workers", _is_int(cfg.num_workers, 1), "an int >= 1"),
-        (
-            "worker_num_cpus",
-            _is_number(cfg.worker_num_cpus) and cfg.worker_num_cpus >= 0,
-            "a number >= 0",
-        ),
-        (
-            "worker_num_gpus",
-            _is_number(cfg.worker_num_gpus) and cfg.worker_num_gpus >= 0,
-            "a number >= 0",
-        ),
-        (
-            "cpu_threads",
-            cfg.cpu_threads is None or _is_int(cfg.cpu_threads, 1),
-            "None or an int >= 1",
-        ),
-    ]
-    problems = [
-        f"{name}: {getattr(cfg, name)!r} must be {fix}" for name, ok, fix in checks if not ok
-    ]
-    if _is_int(cfg.num_workers, 2) and cfg.device in ("cuda", "auto") and not cfg.worker_num_gpus:
-        problems.append(
-            f"worker_num_gpus: 0 gives the {cfg.num_workers} workers no GPU for device="
-            f"{cfg.device!r}; set it (e.g. 1) or use device='cpu'"
-        )
-    return problems
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def _resolve_device(device: str) -> torch.device:

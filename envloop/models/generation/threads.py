@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
-
 DEFAULT_CPU_THREADS = 1
 """torch threads per process that runs a model on CPU (see the module docstring)."""
 
@@ -25,6 +23,7 @@ def set_cpu_threads(num_threads: int | None) -> int:
     torch accepts the inter-op count only before the process's first parallel work and only
     once; after that it keeps its own, which this call leaves as it is.
 
+    >>> import torch
     >>> before = torch.get_num_threads()
     >>> set_cpu_threads(1)
     1
@@ -32,6 +31,8 @@ def set_cpu_threads(num_threads: int | None) -> int:
     1
     >>> _ = set_cpu_threads(before)
     """
+    import torch  # here: configs read DEFAULT_CPU_THREADS without importing torch
+
     if num_threads is None:
         return torch.get_num_threads()
     if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:

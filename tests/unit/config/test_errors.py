@@ -26,10 +26,10 @@ def test_missing_required_field_is_named():
     with pytest.raises(ConfigError) as info:
         HfGenerationConfig.from_dict({"seed": 1, "colour": "red"})
     assert info.value.problems == [
+        "model_name: required",
         "colour: unknown option. Known: "
         + ", ".join(f for f in HfGenerationConfig.__dataclass_fields__)
         + ".",
-        "model_name: required",
     ]
 
 

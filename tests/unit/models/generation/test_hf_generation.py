@@ -337,7 +337,7 @@ def test_config_lists_every_bad_field_with_its_fix():
         "top_k",
         "cpu_threads",
     ]
-    assert "cpu_threads: 0 must be None or an int >= 1" in str(info.value)
+    assert "cpu_threads: must be >= 1, got 0" in str(info.value)
     assert "one of float32, bfloat16, float16" in str(info.value)
 
     with pytest.raises(ConfigError, match=r"(?s)max_new_token: unknown option. Did you mean"):
