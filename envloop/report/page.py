@@ -28,6 +28,7 @@ from envloop.report.charts import Histogram, histogram, histogram_bins
 from envloop.report.sections import TaskRow, config_view, fmt, metrics_view
 from envloop.report.templates import render
 from envloop.run.files import load_config, load_metrics, load_rollouts, message_tokens
+from envloop.run.metrics import on_unit_scale
 
 REPORT_FILE = "report.html"
 TEMPLATE = "report.html.j2"
@@ -121,11 +122,7 @@ def off_scale_tasks(rewards: Mapping[str, Sequence[float]]) -> list[str]:
     >>> off_scale_tasks({"math": [0.0, 1.0], "graded": [0.25, math.nan]})
     []
     """
-    return [
-        task
-        for task, values in rewards.items()
-        if any(not math.isnan(x) and not 0.0 <= x <= 1.0 for x in values)
-    ]
+    return [task for task, values in rewards.items() if not on_unit_scale(values)]
 
 
 def _headline(

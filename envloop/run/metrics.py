@@ -3,15 +3,25 @@ summary table ``envloop run`` prints.
 
 >>> stats = {}
 >>> tally([{"task": "math", "total_reward": 1.0, "num_turns": 1},
-...        {"task": "math", "total_reward": 0.0, "num_turns": 2}], stats)
+...        {"task": "math", "total_reward": 0.0, "num_turns": 2},
+...        {"task": "code", "total_reward": 0.5, "num_turns": 3}], stats)
 >>> print(summary_table(stats))
 task   samples  mean reward  mean turns
 math         2        0.500        1.50
-total        2        0.500        1.50
+code         1        0.500        3.00
+total        3        0.500        2.00
+>>> tally([{"task": "rm", "total_reward": 8.0, "num_turns": 1}], stats)
+>>> print(summary_table(stats))
+task  samples  mean reward  mean turns
+math        2        0.500        1.50
+code        1        0.500        3.00
+rm          1        8.000        1.00
+no total: rm has rewards outside [0, 1], a scale of its own
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +34,7 @@ class TaskStats:
     samples: int = 0
     reward_sum: float = 0.0
     turns_sum: int = 0
+    off_unit_scale: bool = False  # some reward lies outside [0, 1] (see on_unit_scale)
 
     @property
     def mean_reward(self) -> float:
@@ -41,6 +52,21 @@ def tally(records: Iterable[Mapping[str, Any]], stats: dict[str, TaskStats]) -> 
         task.samples += 1
         task.reward_sum += record["total_reward"]
         task.turns_sum += record["num_turns"]
+        task.off_unit_scale |= not on_unit_scale([record["total_reward"]])
+
+
+def on_unit_scale(rewards: Iterable[float]) -> bool:
+    """Whether every reward lies in [0, 1] (NaN, a missing reward, is left out).
+
+    Rewards in [0, 1] are success-like (pass or fail, solve rates, graded fractions), so a
+    mean over several tasks of them is a success rate. A task with a reward outside [0, 1]
+    (a reward model's raw scores, penalties, bonuses) has a scale of its own: averaging it
+    with other tasks gives a number neither scale can read.
+
+    >>> on_unit_scale([0.0, 0.25, 1.0, math.nan]), on_unit_scale([1.0, -0.1])
+    (True, False)
+    """
+    return all(math.isnan(x) or 0.0 <= x <= 1.0 for x in rewards)
 
 
 def total_stats(stats: Mapping[str, TaskStats]) -> TaskStats:
@@ -103,12 +129,24 @@ def startup_metrics(timer: Any) -> dict[str, float]:
 
 
 def summary_table(stats: Mapping[str, TaskStats]) -> str:
-    """Per task and in total: samples, mean reward and mean turns, as aligned text."""
-    rows = [*stats.items(), ("total", total_stats(stats))]
+    """Per task: samples, mean reward and mean turns, as aligned text; then a total over
+    several tasks when every reward lies in [0, 1] (:func:`on_unit_scale`), or a line naming
+    the tasks whose rewards have a scale of their own."""
+    off_scale = [task for task, s in stats.items() if s.off_unit_scale]
+    with_total = len(stats) > 1 and not off_scale
+    rows = [*stats.items(), *([("total", total_stats(stats))] if with_total else [])]
     width = max(len("task"), *(len(task) for task, _ in rows))
     lines = [f"{'task':<{width}}  samples  mean reward  mean turns"]
     for task, s in rows:
         lines.append(
             f"{task:<{width}}  {s.samples:>7}  {s.mean_reward:>11.3f}  {s.mean_turns:>10.2f}"
         )
+    if len(stats) > 1 and off_scale:
+        whose = (
+            "has rewards outside [0, 1], a scale"
+            if len(off_scale) == 1
+            else ("have rewards outside [0, 1], scales")
+        )
+        own = "of its own" if len(off_scale) == 1 else "of their own"
+        lines.append(f"no total: {', '.join(off_scale)} {whose} {own}")
     return "\n".join(lines)

@@ -60,3 +60,21 @@ def test_tally_per_task_and_summary_table():
         "total                 3        0.500        2.33",
     ]
     assert TaskStats().mean_reward == 0.0 and TaskStats().mean_turns == 0.0
+
+
+def test_no_total_over_tasks_whose_reward_scales_differ():
+    stats: dict[str, TaskStats] = {}
+    tally([{"task": "math", "total_reward": 1.0, "num_turns": 1},
+           {"task": "rm", "total_reward": 8.25, "num_turns": 1},
+           {"task": "puzzle", "total_reward": -0.5, "num_turns": 3},
+           {"task": "math", "total_reward": float("nan"), "num_turns": 1}], stats)  # fmt: skip
+    assert [s.off_unit_scale for s in stats.values()] == [False, True, True]
+    assert summary_table(stats).splitlines()[-2:] == [
+        "puzzle        1       -0.500        3.00",
+        "no total: rm, puzzle have rewards outside [0, 1], scales of their own",
+    ]
+    one_task = {"rm": stats["rm"]}
+    assert summary_table(one_task).splitlines() == [
+        "task  samples  mean reward  mean turns",
+        "rm          1        8.250        1.00",
+    ]
