@@ -74,10 +74,16 @@ class RolloutState:
         _check_prompt_lengths(prompts, max_seq_len)
         stop_strings = list(batch.get("stop_strings") or [None] * n)
         _check_stop_strings(stop_strings, n)
+        metadata = list(batch.get("extra_env_info") or [None] * n)
+        if len(metadata) != n:
+            raise ValueError(
+                f"'extra_env_info' has {len(metadata)} entries for {n} samples; give one per "
+                "sample (None where a sample has no metadata)."
+            )
         state = cls(
             message_logs=[list(log) for log in logs],
             env_views=[[{"role": m["role"], "content": m["content"]} for m in log] for log in logs],
-            metadata=list(batch.get("extra_env_info") or [None] * n),
+            metadata=metadata,
             stop_strings=stop_strings,
             task_names=task_names,
             tokens=TokenBuffer(prompts, max_seq_len, pad_id),

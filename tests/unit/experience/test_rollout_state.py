@@ -173,14 +173,9 @@ def test_start_rejects_bad_stop_strings(tiny_tokenizer, stop_strings, message):
         RolloutState.start(batch, tiny_tokenizer, 64)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RolloutState.start checks the length of 'stop_strings' but not of 'extra_env_info'; "
-    "a short column crashes later in EnvDispatcher.step with IndexError",
-)
 def test_start_rejects_extra_env_info_of_the_wrong_length(tiny_tokenizer):
     batch = echo_batch(tiny_tokenizer, "a", "b", extra_env_info=[{"reply": "x"}])
-    with pytest.raises(ValueError, match="extra_env_info"):
+    with pytest.raises(ValueError, match=r"'extra_env_info' has 1 entries for 2 samples; give"):
         RolloutState.start(batch, tiny_tokenizer, 64)
 
 
