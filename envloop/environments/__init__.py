@@ -14,6 +14,8 @@ _PUBLIC = {
     "EnvironmentContractError": "envloop.environments.checker",
     "EnvironmentInterface": "envloop.environments.interfaces",
     "EnvironmentReturn": "envloop.environments.interfaces",
+    "SampleEnvironment": "envloop.environments.sample_environment",
+    "SampleStep": "envloop.environments.sample_environment",
     "check_env": "envloop.environments.checker",
     "create_env": "envloop.environments.registry",
     "list_envs": "envloop.environments.registry",

@@ -43,7 +43,8 @@ def check_env(
 ) -> EnvironmentReturn:
     """Call ``env.step`` (an instance or a Ray actor handle) on the samples and check the
     result: field lengths, dtypes, reward shapes and keys, observation keys, stop-string
-    types; then ``global_post_process_and_metrics`` on a batch built from the result.
+    types, samples whose step failed (``errors``); then ``global_post_process_and_metrics``
+    on a batch built from the result.
 
     Returns the ``EnvironmentReturn``; raises :class:`EnvironmentContractError` listing
     every problem found.
@@ -69,10 +70,16 @@ def check_env(
         raise EnvironmentContractError(name, [f"step raised: {_short(exc)}"]) from exc
     problems = env_return_problems(ret, len(logs))
     if not problems:
-        problems = _post_process_problems(env, logs, sample_metadata, ret)
+        problems = _sample_failures(ret) + _post_process_problems(env, logs, sample_metadata, ret)
     if problems:
         raise EnvironmentContractError(name, problems)
     return ret
+
+
+def _sample_failures(ret: EnvironmentReturn) -> list[str]:
+    """One line per sample whose step failed (``errors``), with the first line of why."""
+    errors = ret.errors or []
+    return [f"sample {i}: {text.splitlines()[0]}" for i, text in enumerate(errors) if text]
 
 
 def _post_process_problems(

@@ -10,10 +10,10 @@ from envloop.environments.interfaces import EnvironmentReturn
 
 
 def coerce_env_return(value: Any) -> EnvironmentReturn:
-    """Accept an ``EnvironmentReturn`` or a plain 5/6-tuple of its fields."""
+    """Accept an ``EnvironmentReturn`` or a plain 5/6/7-tuple of its fields."""
     if isinstance(value, EnvironmentReturn):
         return value
-    if isinstance(value, tuple) and len(value) in (5, 6):
+    if isinstance(value, tuple) and len(value) in (5, 6, 7):
         return EnvironmentReturn(*value)
     raise TypeError(
         f"step() returned a {type(value).__name__}; it must return an EnvironmentReturn."
@@ -38,6 +38,8 @@ def env_return_problems(ret: EnvironmentReturn, batch_size: int) -> list[str]:
     problems += _list_problems("next_stop_strings", ret.next_stop_strings, n)
     if ret.answers is not None:
         problems += _list_problems("answers", ret.answers, n)
+    if ret.errors is not None:
+        problems += _list_problems("errors", ret.errors, n) or _error_problems(ret.errors)
     if isinstance(ret.observations, list):
         problems += _observation_problems(ret.observations)
     if isinstance(ret.next_stop_strings, list):
@@ -60,6 +62,13 @@ def _observation_problems(observations: list[Any]) -> list[str]:
         ok = isinstance(obs, dict) and isinstance(obs.get("role"), str)
         if not ok or not isinstance(obs.get("content"), str):
             return [f"observations[{i}]: expected {{'role': str, 'content': str}}, got {obs!r:.80}"]
+    return []
+
+
+def _error_problems(errors: list[Any]) -> list[str]:
+    for i, error in enumerate(errors):
+        if error is not None and not (isinstance(error, str) and error):
+            return [f"errors[{i}]: expected None or a non-empty str, got {error!r:.80}"]
     return []
 
 

@@ -41,6 +41,10 @@ class EnvironmentReturn(NamedTuple):
         rewards: [B] float tensor, or a dict ``{"reward/<name>": [B] float tensor}``.
         terminateds: [B] bool tensor, True when the episode ended.
         answers: B extracted answers (or ``None`` each); ``None`` when not provided.
+        errors: B entries, each ``None`` or the text of why that sample's step failed
+            (the engine records it on that sample alone and ends its episode); ``None``
+            when no sample failed. A failed sample's other fields are placeholders: an
+            empty observation, its metadata unchanged, reward 0, terminated.
 
     ``EnvironmentReturn[MyMetadata]``, NeMo-RL's spelling, also works (as for any tuple
     type) and builds this same class.
@@ -52,6 +56,7 @@ class EnvironmentReturn(NamedTuple):
     rewards: RewardsType
     terminateds: torch.Tensor
     answers: list[Any] | None = None
+    errors: list[str | None] | None = None
 
 
 def actor_class(cls: type, **ray_options: Any) -> Any:

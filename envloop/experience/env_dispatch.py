@@ -1,8 +1,11 @@
-"""Step every task group's environment concurrently; failures become per-group data.
+"""Step every task group's environment concurrently; failures become per-sample data.
 
 One call per environment per turn: samples are grouped by ``task_name``, every group's
 ``step`` is started at once (a Ray actor call, or a thread for an in-process environment),
-and the results are collected against one deadline.
+and the results are collected against one deadline. A step that raises or times out fails
+its whole group; a step that returns ``errors`` (e.g. a
+:class:`~envloop.environments.sample_environment.SampleEnvironment` whose method raised on
+one sample) fails only those samples: each becomes a one-sample group with its error.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from envloop.distributed.ray_utils import is_actor
@@ -89,7 +93,7 @@ class EnvDispatcher:
                 result.result = _validated(task, ret, len(idx))
             except Exception as exc:
                 result.error = self._failure(task, exc)
-            results.append(result)
+            results += self._split_sample_errors(result)
         return results
 
     def shutdown(self) -> None:
@@ -137,6 +141,26 @@ class EnvDispatcher:
                 handle = self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
         raise AssertionError("unreachable")
 
+    def _split_sample_errors(self, group: GroupResult) -> list[GroupResult]:
+        """``group`` as is when its result has no per-sample ``errors``; else the samples
+        that succeeded as one group (rows selected) and each failed sample as a group of
+        its own with ``"env <task>: <error>"`` (raised with ``on_error="raise"``)."""
+        ret, task = group.result, group.task_name
+        errors = ret.errors if ret is not None else None
+        if ret is None or errors is None or all(e is None for e in errors):
+            return [group]
+        failed = [
+            GroupResult(task, [i], error=f"env {task}: {e}")
+            for i, e in zip(group.indices, errors)
+            if e is not None
+        ]
+        if self.on_error == "raise":
+            raise EnvironmentStepError(failed[0].error)
+        ok = [j for j, e in enumerate(errors) if e is None]
+        if not ok:
+            return failed
+        return [GroupResult(task, [group.indices[j] for j in ok], select_rows(ret, ok)), *failed]
+
     def _failure(self, task: str, exc: BaseException) -> str:
         if isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
             text = f"env {task}.step timed out after {self.timeout_s} s"
@@ -164,6 +188,31 @@ def _validated(task: str, value: Any, n: int) -> EnvironmentReturn:
             f"env {task}.step broke the EnvironmentReturn contract: " + "; ".join(problems)
         )
     return ret
+
+
+def select_rows(ret: EnvironmentReturn, rows: list[int]) -> EnvironmentReturn:
+    """``ret`` reduced to the samples at ``rows`` (in that order), with no ``errors``.
+
+    >>> import torch
+    >>> ret = EnvironmentReturn([{"role": "user", "content": c} for c in "ab"], [1, 2],
+    ...                         [None, None], {"reward/x": torch.tensor([0.5, 1.0])},
+    ...                         torch.tensor([False, True]), errors=["boom", None])
+    >>> picked = select_rows(ret, [1])
+    >>> picked.observations, picked.rewards, picked.terminateds, picked.errors
+    ([{'role': 'user', 'content': 'b'}], {'reward/x': tensor([1.])}, tensor([True]), None)
+    """
+    index = torch.tensor(rows, dtype=torch.long)
+    rewards = ret.rewards
+    return EnvironmentReturn(
+        observations=[ret.observations[j] for j in rows],
+        metadata=[ret.metadata[j] for j in rows],
+        next_stop_strings=[ret.next_stop_strings[j] for j in rows],
+        rewards={k: v[index] for k, v in rewards.items()}
+        if isinstance(rewards, dict)
+        else rewards[index],
+        terminateds=ret.terminateds[index],
+        answers=None if ret.answers is None else [ret.answers[j] for j in rows],
+    )
 
 
 def _wait(handle: Any, deadline: float | None) -> Any:
