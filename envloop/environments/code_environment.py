@@ -27,8 +27,7 @@ observation that explains the format.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, TypedDict
 
 import torch
 
@@ -43,7 +42,7 @@ from envloop.environments.code.config import (
 )
 from envloop.environments.code.sandbox import run_cells, sandbox_limits
 from envloop.environments.common.answer_extraction import extract_tag
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.sample_environment import SampleEnvironment, SampleStep
 
 __all__ = ["DEFAULTS", "CodeEnvConfig", "CodeEnvMetadata", "CodeEnvironment"]
 
@@ -59,16 +58,9 @@ class CodeEnvMetadata(TypedDict, total=False):
     turns: int  # code turns taken so far
 
 
-class _Turn(NamedTuple):
-    observation: dict[str, str]
-    metadata: CodeEnvMetadata
-    reward: float
-    done: bool
-    code: str | None
-
-
-class CodeEnvironment(EnvironmentInterface):
-    """Runs each response's code in a sandbox and scores finished episodes by their tests."""
+class CodeEnvironment(SampleEnvironment[CodeEnvMetadata]):
+    """Runs each response's code in a sandbox and scores finished episodes by their tests;
+    a batch's sandboxes run ``num_workers`` at a time."""
 
     def __init__(self, cfg: CodeEnvConfig | None = None) -> None:
         problems = self.config_problems(cfg)
@@ -78,31 +70,12 @@ class CodeEnvironment(EnvironmentInterface):
         self.limits = sandbox_limits(options)
         self.max_turns: int = options["max_turns"]
         self.stop_strings: list[str] = list(options["stop_strings"])
-        self._pool = ThreadPoolExecutor(options["num_workers"], thread_name_prefix="code_env")
+        self.max_concurrent_samples = options["num_workers"]
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
         """Every problem of ``config`` (:func:`.code_config.config_problems`)."""
         return config_problems(config)
-
-    def step(
-        self,
-        message_log_batch: list[LLMMessageLogType],
-        metadata: list[CodeEnvMetadata | None],
-        *args: Any,
-        **kwargs: Any,
-    ) -> EnvironmentReturn:
-        """One turn per sample; the B sandboxes run ``num_workers`` at a time."""
-        responses = [str(log[-1]["content"]) for log in message_log_batch]
-        turns = list(self._pool.map(self._turn, responses, metadata))
-        return EnvironmentReturn(
-            observations=[t.observation for t in turns],
-            metadata=[t.metadata for t in turns],
-            next_stop_strings=[None if t.done else list(self.stop_strings) for t in turns],
-            rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
-            terminateds=torch.tensor([t.done for t in turns], dtype=torch.bool),
-            answers=[t.code for t in turns],
-        )
 
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
@@ -117,11 +90,11 @@ class CodeEnvironment(EnvironmentInterface):
             "code_env/mean_code_turns": sum(turns) / max(len(turns), 1),
         }
 
-    def shutdown(self) -> None:
-        """Wait for running sandboxes and stop the thread pool."""
-        self._pool.shutdown(wait=True)
-
-    def _turn(self, response: str, metadata: CodeEnvMetadata | None) -> _Turn:
+    def step_sample(
+        self, messages: LLMMessageLogType, metadata: CodeEnvMetadata | None
+    ) -> SampleStep:
+        """One turn: run the response's code, or end the episode and score it."""
+        response = str(messages[-1]["content"])
         md: CodeEnvMetadata = {**(metadata or {})}
         code, cells = extract_tag(response, "code"), list(md.get("cells", []))
         if code is None:
@@ -130,16 +103,22 @@ class CodeEnvironment(EnvironmentInterface):
                 text = f"{_NO_CODE} with reward 0. Write Python between <code> and </code>."
             else:
                 text = f"{_NO_CODE}: {score}."
-            return _Turn({"role": "environment", "content": text}, md, reward, True, None)
+            return SampleStep(text, reward, True, metadata=md)
         result = run_cells([*cells, code], (), self.limits)
         md["cells"] = [*cells, code][: result.cells_finished]
         md["turns"] = md.get("turns", 0) + 1
         content = f"<result>\n{result.report()}</result>"
         if md["turns"] < md.get("max_turns", self.max_turns):
-            return _Turn({"role": "tool", "content": content}, md, 0.0, False, code)
+            observation = {"role": "tool", "content": content}
+            stops = list(self.stop_strings)
+            return SampleStep(
+                observation, 0.0, False, metadata=md, next_stop_strings=stops, answer=code
+            )
         reward, score = self._score(md["cells"], _tests(md))
         content += f"\nTurn limit reached, so the episode ends: {score}."
-        return _Turn({"role": "tool", "content": content}, md, reward, True, code)
+        return SampleStep(
+            {"role": "tool", "content": content}, reward, True, metadata=md, answer=code
+        )
 
     def _score(self, cells: list[str], tests: list[str]) -> tuple[float, str]:
         """The reward (fraction of tests passed on the cells' state) and its description."""

@@ -31,7 +31,8 @@ from envloop.environments.code.jaccard_config import (
     config_problems,
 )
 from envloop.environments.code.similarity import code_jaccard, code_tokens, extract_code
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.interfaces import EnvironmentReturn
+from envloop.environments.sample_environment import SampleEnvironment, SampleStep
 from envloop.environments.utils import last_assistant_text
 
 __all__ = [
@@ -50,7 +51,7 @@ class CodeJaccardEnvironmentMetadata(TypedDict):
     jaccard_error: NotRequired[str]
 
 
-class CodeJaccardEnvironment(EnvironmentInterface[CodeJaccardEnvironmentMetadata]):
+class CodeJaccardEnvironment(SampleEnvironment[CodeJaccardEnvironmentMetadata]):
     """Rewards code by token overlap with ``metadata["ground_truth"]``; see the module
     docstring. ``config=None`` means :data:`DEFAULTS`.
 
@@ -78,20 +79,20 @@ class CodeJaccardEnvironment(EnvironmentInterface[CodeJaccardEnvironmentMetadata
     ) -> EnvironmentReturn:
         """Rewards [B] float32 in [0, 1], terminateds [B] all True; ``answers`` (when
         ``return_extracted_answer``) the code that was scored, stripped."""
-        responses = [last_assistant_text(log) for log in message_log_batch]
-        scored = [_score(response, md) for response, md in zip(responses, metadata)]
-        n = len(responses)
-        return EnvironmentReturn(
-            observations=[self._observation(score, error) for score, error in scored],
-            metadata=[
-                _with_result(md, score, error) for md, (score, error) in zip(metadata, scored)
-            ],
-            next_stop_strings=[self.config["stop_strings"]] * n,
-            rewards=torch.tensor([score for score, _ in scored], dtype=torch.float32),
-            terminateds=torch.ones(n, dtype=torch.bool),
-            answers=[extract_code(r).strip() for r in responses]
-            if return_extracted_answer
-            else None,
+        ret = super().step(message_log_batch, metadata)
+        return ret if return_extracted_answer else ret._replace(answers=None)
+
+    def step_sample(self, messages: LLMMessageLogType, metadata: Any) -> SampleStep:
+        """Score one response; the episode ends."""
+        response = last_assistant_text(messages)
+        score, error = _score(response, metadata)
+        return SampleStep(
+            self._observation(score, error),
+            score,
+            terminated=True,
+            metadata=_with_result(metadata, score, error),
+            next_stop_strings=self.config["stop_strings"],
+            answer=extract_code(response).strip(),
         )
 
     def global_post_process_and_metrics(

@@ -226,18 +226,18 @@ def _batched_return(
     if failures and len(failures) == len(outcomes):
         raise failures[0].error
     steps = [o if isinstance(o, SampleStep) else None for o in outcomes]
+    errors = [o.text if isinstance(o, _Failure) else None for o in outcomes]
     return EnvironmentReturn(
         observations=[_observation(s, observation_role) for s in steps],
-        metadata=[md if s is None or s.metadata is None else s.metadata
-                  for s, md in zip(steps, metadata)],
+        metadata=[
+            md if s is None or s.metadata is None else s.metadata for s, md in zip(steps, metadata)
+        ],
         next_stop_strings=[None if s is None else s.next_stop_strings for s in steps],
         rewards=_rewards(steps),
         terminateds=torch.tensor([s is None or s.terminated for s in steps], dtype=torch.bool),
         answers=[None if s is None else s.answer for s in steps],
-        errors=[o.text if isinstance(o, _Failure) else None for o in outcomes]
-        if failures
-        else None,
-    )  # fmt: skip
+        errors=errors if failures else None,
+    )
 
 
 def _observation(step: SampleStep | None, role: str) -> dict[str, str]:
@@ -251,7 +251,8 @@ def _observation(step: SampleStep | None, role: str) -> dict[str, str]:
 def _rewards(steps: list[SampleStep | None]) -> RewardsType:
     """[B] float32 rewards, or a dict of [B] float32 components (0 where a sample lacks one)."""
     if all(s is None or s.reward_components is None for s in steps):
-        return torch.tensor([0.0 if s is None else s.reward for s in steps], dtype=torch.float32)
+        rewards = [0.0 if s is None else float(s.reward or 0.0) for s in steps]
+        return torch.tensor(rewards, dtype=torch.float32)
     per_sample = [{} if s is None else s.component_rewards() for s in steps]
     names = dict.fromkeys(name for rewards in per_sample for name in rewards)
     return {

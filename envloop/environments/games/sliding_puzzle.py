@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-import torch
-
 from envloop.config.errors import ConfigError, typed_dict_problems
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.common.answer_extraction import extract_tag
@@ -36,7 +34,7 @@ from envloop.environments.games.sliding_puzzle_config import (
     SlidingPuzzleConfig,
     config_problems,
 )
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
+from envloop.environments.sample_environment import SampleEnvironment, SampleStep
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -101,8 +99,11 @@ def _count(moves: int) -> str:
     return f"{moves} move{'s' * (moves != 1)}"
 
 
-class SlidingPuzzleEnv(EnvironmentInterface):
-    """Plays one move per sample per ``step``; see the module docstring for the rules."""
+class SlidingPuzzleEnv(SampleEnvironment[SlidingPuzzleMetadata]):
+    """Plays one move per sample per ``step``; see the module docstring for the rules.
+    Rewards [B] float32, terminateds [B] bool; observations come as the user."""
+
+    observation_role = "user"
 
     def __init__(self, config: SlidingPuzzleConfig | None = None) -> None:
         problems = self.config_problems(config)
@@ -122,31 +123,17 @@ class SlidingPuzzleEnv(EnvironmentInterface):
             seed, c["default_size"], c["default_shuffle_moves"], c["default_max_moves"]
         )
 
-    def step(
-        self, message_log_batch: list[Any], metadata: list[Any], *args: Any, **kwargs: Any
-    ) -> EnvironmentReturn:
-        """Play each sample's last reply on its board. Rewards [B] float, terminateds [B] bool;
-        ``answers`` holds each reply's action text (None when absent). Raises ConfigError only
-        for metadata not made by :func:`new_episode_metadata` (a dataset bug)."""
-        plays = [self._play(log, md) for log, md in zip(message_log_batch, metadata)]
-        return EnvironmentReturn(
-            observations=[{"role": "user", "content": p[0]} for p in plays],
-            metadata=[p[1] for p in plays],
-            next_stop_strings=[list(STOP_STRINGS) for _ in plays],
-            rewards=torch.tensor([p[2] for p in plays], dtype=torch.float32),
-            terminateds=torch.tensor([p[3] for p in plays], dtype=torch.bool),
-            answers=[p[4] for p in plays],
-        )
-
-    def _play(
-        self, log: list[Any], md: Any
-    ) -> tuple[str, SlidingPuzzleMetadata, float, bool, str | None]:
+    def step_sample(self, messages: list[Any], metadata: Any) -> SampleStep:
+        """Play the sample's last reply on its board; ``answer`` is the reply's action text
+        (None when absent). Metadata not made by :func:`new_episode_metadata` (a dataset
+        bug) raises ConfigError, which fails this sample."""
+        md = metadata
         problems = _metadata_problems(md)
         if problems:
             raise ConfigError(
                 "sliding_puzzle episode metadata (use new_episode_metadata)", problems
             )
-        action = extract_tag(log[-1]["content"], "action") if log else None
+        action = extract_tag(messages[-1]["content"], "action") if messages else None
         board, status, invalid = play(tuple(map(tuple, md["board"])), action)
         moves = md["moves_made"] + 1
         new_md = SlidingPuzzleMetadata(
@@ -162,7 +149,9 @@ class SlidingPuzzleEnv(EnvironmentInterface):
             status += f" {_count(left)} left."
         done = solved or left <= 0
         reward = (self.config["reward_on_solve"] if solved else 0.0) - self.config["move_penalty"]
-        return f"{status}\n{render(board, show_moves=not done)}", new_md, reward, done, action
+        observation = f"{status}\n{render(board, show_moves=not done)}"
+        return SampleStep(observation, reward, done, metadata=new_md,
+                          next_stop_strings=list(STOP_STRINGS), answer=action)  # fmt: skip
 
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
