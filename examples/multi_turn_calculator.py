@@ -23,12 +23,7 @@ import torch
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.ray_utils import init_ray
-from envloop.environments import (
-    EnvironmentInterface,
-    EnvironmentReturn,
-    create_env,
-    register_env,
-)
+from envloop.environments import SampleEnvironment, SampleStep, create_env, register_env
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 
@@ -48,37 +43,25 @@ def calculate(expression: str) -> int:
     return walk(ast.parse(expression, mode="eval").body)
 
 
-class CalculatorEnv(EnvironmentInterface):
+class CalculatorEnv(SampleEnvironment):
     """``<call>EXPR</call>`` -> ``<result>V</result>``; ``<answer>V</answer>`` ends the episode."""
 
-    def step(self, message_log_batch, metadata, *args, **kwargs) -> EnvironmentReturn:
-        replies = [
-            self._reply(log[-1]["content"], md) for log, md in zip(message_log_batch, metadata)
-        ]
-        observations, new_metadata, stops, rewards, done = zip(*replies)
-        return EnvironmentReturn(
-            list(observations), list(new_metadata), list(stops),
-            torch.tensor(rewards), torch.tensor(done),
-        )  # fmt: skip
-
-    def _reply(self, response: str, md: dict):
+    def step_sample(self, messages, metadata) -> SampleStep:
+        response = messages[-1]["content"]
         if call := re.search(r"<call>(.*?)</call>", response):
             try:
                 result = str(calculate(call.group(1)))
             except (ValueError, SyntaxError) as exc:
                 result = f"error: {exc}"
-            md = {**md, "tool_calls": md["tool_calls"] + 1}
-            return (
+            return SampleStep(
                 {"role": "tool", "content": f"<result>{result}</result>"},
-                md,
-                ["</call>", "</answer>"],
-                0.0,
-                False,
+                reward=0.0,
+                metadata={**metadata, "tool_calls": metadata["tool_calls"] + 1},
+                next_stop_strings=["</call>", "</answer>"],
             )
         answer = re.search(r"<answer>(.*?)</answer>", response)
-        correct = bool(answer) and answer.group(1).strip() == str(md["target"])
-        verdict = "correct" if correct else "incorrect"
-        return {"role": "environment", "content": verdict}, md, None, float(correct), True
+        correct = bool(answer) and answer.group(1).strip() == str(metadata["target"])
+        return SampleStep("correct" if correct else "incorrect", float(correct), terminated=True)
 
     def global_post_process_and_metrics(self, batch):
         return batch, {"calculator/accuracy": float(batch["total_reward"].mean())}
