@@ -132,6 +132,7 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
         observation_role: the role of observations returned as plain strings.
         max_concurrent_samples: at most this many samples of a batch at once; None runs
             ``step_sample`` one sample at a time and ``astep_sample`` for all at once.
+            Above 1, ``step_sample`` runs in several threads at once: keep it thread-safe.
     """
 
     observation_role: str = "environment"
