@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from math_verify import parse, verify
 
-from envloop.environments.math_environment import MathEnvironment
 from envloop.environments.common.math_verification import MathVerifier
+from envloop.environments.math_environment import MathEnvironment
 
 Pair = tuple[str, str]
 REASONING = [
