@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -97,3 +97,30 @@ def _get_attribute_chain(module: ModuleType, attr: str) -> Any:
         if obj is None:
             return None
     return obj
+
+
+def lazy_attributes(
+    package: str, public: Mapping[str, str]
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``__getattr__`` and ``__dir__`` for ``package``, whose public names (keys of
+    ``public``) live in the modules ``public`` maps them to, imported on first use.
+
+    >>> getattr_, dir_ = lazy_attributes("pkg", {"dumps": "json"})
+    >>> getattr_("dumps").__module__, dir_()
+    ('json', ['dumps'])
+    >>> getattr_("loads")
+    Traceback (most recent call last):
+    ...
+    AttributeError: module 'pkg' has no attribute 'loads'
+    """
+    names = sorted(public)
+
+    def __getattr__(name: str) -> Any:
+        if name not in public:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(public[name]), name)
+
+    def __dir__() -> list[str]:
+        return names
+
+    return __getattr__, __dir__

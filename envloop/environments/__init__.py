@@ -6,8 +6,7 @@ Names are imported on first use, so a worker process that imports one environmen
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from envloop.config.import_paths import lazy_attributes
 
 _PUBLIC = {
     "ENV_REGISTRY": "envloop.environments.registry",
@@ -25,11 +24,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'envloop.environments' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)

@@ -7,8 +7,7 @@ environments' actors, progress, and the run directory's files.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from envloop.config.import_paths import lazy_attributes
 
 _PUBLIC = {
     "RunConfig": "envloop.run.config",
@@ -20,11 +19,4 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'envloop.run' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)
