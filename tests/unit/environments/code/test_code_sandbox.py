@@ -3,6 +3,7 @@ process is unaffected. Real processes throughout; short limits keep the file fas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -65,18 +67,34 @@ def host(monkeypatch):
 
 @pytest.fixture
 def private_user():
-    """A system user made for this test alone (removed afterwards): per-user limits such as
-    RLIMIT_NPROC then count only this test's processes."""
+    """A user made for this test alone (removed afterwards): per-user limits such as
+    RLIMIT_NPROC then count only this test's processes. Its uid is one no process runs as
+    (useradd would reuse the uid of a user just deleted by a concurrent test run, whose
+    processes may still be exiting)."""
     name = f"envloop-t{os.getpid()}"
+    busy = _uids_in_use()
+    start = 3_000_000 + os.getpid() % 100_000 * 10  # far from useradd's own range
+    uid = next(u for u in range(start, start + 1_000_000) if u not in busy)
     subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+        ["useradd", "--uid", str(uid), "--no-create-home", "--no-user-group", "--gid", "65534",
+         "--shell", "/usr/sbin/nologin", name],
         check=True,
         capture_output=True,
-    )
+    )  # fmt: skip
     try:
         yield name
     finally:
         subprocess.run(["userdel", name], check=True, capture_output=True)
+
+
+def _uids_in_use() -> set[int]:
+    """The uids of the users here and of every running process."""
+    uids = {int(line.split(":")[2]) for line in Path("/etc/passwd").read_text().splitlines()}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            real = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            uids.update(int(u) for u in real.split()[1:])
+    return uids
 
 
 def run(code: str, **limits) -> RunResult:
