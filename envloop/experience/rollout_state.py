@@ -174,7 +174,7 @@ def append_observations(
         if truncated:
             state.truncated[i] = True
             obs = {"role": obs["role"], "content": tokenizer.decode(kept)}
-        if kept:
+        if kept or not truncated:  # an empty observation that fits is still a message
             kept_items.append((i, obs))
             kept_ids.append(kept)
     if not kept_items:

@@ -407,12 +407,6 @@ def test_no_observation_message_when_none_of_it_fits(tiny_tokenizer):
     assert state.truncated.tolist() == [True] and state.env_tokens.tolist() == [0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="append_observations drops an observation with no tokens (empty content, raw format) "
-    "even though it fits: the log and the environment's next view lose its message "
-    "(SPEC §7.5: append each observation with its token_ids)",
-)
 def test_an_empty_observation_that_fits_is_still_appended(tiny_tokenizer):
     state = RolloutState.start(echo_batch(tiny_tokenizer, "a"), tiny_tokenizer, 64)
     take_generation(state, tiny_tokenizer, lambda prompt: "ok")
