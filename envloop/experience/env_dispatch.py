@@ -11,6 +11,7 @@ one sample) fails only those samples: each becomes a one-sample group with its e
 from __future__ import annotations
 
 import copy
+import math
 import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,7 +69,8 @@ class EnvDispatcher:
         max_retries: int = 1,
     ) -> None:
         self.task_to_env = task_to_env
-        self.timeout_s = timeout_s
+        # An infinite limit is no limit (Ray's and the clock's waits take finite seconds).
+        self.timeout_s = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
         self.on_error = on_error
         self.max_retries = max_retries
         self._pool: ThreadPoolExecutor | None = None

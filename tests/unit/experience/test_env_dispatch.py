@@ -343,12 +343,6 @@ def test_a_constructor_error_surfaces_as_the_groups_first_step_error(actors):
 
 
 @pytest.mark.ray
-@pytest.mark.xfail(
-    strict=True,
-    reason="timeout_s=inf (accepted by RolloutOptions as env_step_timeout_s) fails every actor "
-    "step: ray.get raises OverflowError 'cannot convert float infinity to integer' (in-process "
-    "steps still running at collection fail too: 'timestamp out of range for platform time_t')",
-)
 def test_an_infinite_timeout_is_no_limit(actors):
     [result] = step({"a": actors(EchoEnv)}, ["a"], timeout_s=float("inf"))
     assert result.error is None, result.error.splitlines()[-1]
