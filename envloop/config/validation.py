@@ -27,7 +27,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import typing_extensions
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
@@ -38,6 +38,7 @@ from envloop.config.errors import ConfigError
 
 __all__ = [
     "DeclaredField",
+    "NonEmptyStr",
     "built",
     "config_dataclass",
     "config_problems",
@@ -51,6 +52,9 @@ T = TypeVar("T")
 STRICT = ConfigDict(strict=True, extra="forbid")
 """How every config is validated: no coercion, no unknown keys."""
 
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+"""A string field that may not be empty (names, paths, stop strings)."""
+
 
 @dataclass(frozen=True)
 class DeclaredField:
@@ -61,6 +65,7 @@ class DeclaredField:
     default: Any  # None when the field declares none
     description: str  # "" when the field declares none
     required: bool
+    has_default: bool  # a default value or factory is declared
 
 
 def validated(spec: type, config: Any, what: str | None = None) -> dict[str, Any]:
@@ -132,16 +137,19 @@ def declared_fields(spec: type) -> list[DeclaredField]:
     fields = []
     for name, hint in hints.items():
         info = _field_info(hint)
-        default = info.get_default(call_default_factory=True) if info is not None else None
+        has_default = info is not None and not info.is_required()
+        default = info.get_default(call_default_factory=True) if info and has_default else None
         description = (info.description or "") if info is not None else ""
         bare = typing.get_args(hint)[0] if _is_annotated(hint) else hint
-        fields.append(DeclaredField(name, bare, default, description, name in required))
+        fields.append(
+            DeclaredField(name, bare, default, description, name in required, has_default)
+        )
     return fields
 
 
 def declared_defaults(spec: type) -> dict[str, Any]:
     """The declared defaults of ``spec``'s fields (fields without one are left out)."""
-    return {f.name: f.default for f in declared_fields(spec) if _has_default(spec, f.name)}
+    return {f.name: f.default for f in declared_fields(spec) if f.has_default}
 
 
 @functools.cache
@@ -196,11 +204,6 @@ def _make_strict(spec: Any) -> None:
     for arg in typing.get_args(spec):
         if not isinstance(arg, (str, int, float, bool)) and arg is not None:
             _make_strict(arg)
-
-
-def _has_default(spec: type, name: str) -> bool:
-    info = _field_info(typing.get_type_hints(spec, include_extras=True)[name])
-    return info is not None and not info.is_required()
 
 
 def _is_annotated(hint: Any) -> bool:
@@ -312,8 +315,11 @@ def _resolve(spec: Any, loc: tuple[Any, ...]) -> tuple[str, Any, list[str]]:
     current, known = spec, _keys(spec)
     for step in loc:
         current = _strip(current)
-        if _union_member(current, step) is None:
-            current = _without_none(current)  # pydantic reports X | None's errors as X's
+        member = _union_member(current, step)
+        if member is not None:
+            current = member
+            continue
+        current = _without_none(current)  # pydantic reports X | None's errors as X's
         if _is_record(current) and isinstance(step, str):
             hints = typing.get_type_hints(current, include_extras=True)
             known = list(hints)
@@ -325,8 +331,6 @@ def _resolve(spec: Any, loc: tuple[Any, ...]) -> tuple[str, Any, list[str]]:
         elif typing.get_origin(current) is dict and isinstance(step, str):
             parts.append(step)
             current = (typing.get_args(current) or (Any, Any))[-1]
-        elif _union_member(current, step) is not None:
-            current = _union_member(current, step)
         else:
             parts.append(str(step))
             current = None

@@ -68,9 +68,9 @@ def remember_class(folder: str | Path, cls: type) -> None:
     others are not remembered)."""
     if not cls.__module__.startswith("transformers."):
         return
-    entries = _read()
-    entries.pop(_key(folder), None)
-    entries[_key(folder)] = f"{cls.__module__}:{cls.__qualname__}"
+    entries, key = _read(), _key(folder)
+    entries.pop(key, None)  # re-added last: the newest entries are kept
+    entries[key] = f"{cls.__module__}:{cls.__qualname__}"
     _write(dict(list(entries.items())[-MAX_ENTRIES:]))
 
 

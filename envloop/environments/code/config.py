@@ -14,8 +14,6 @@ from typing_extensions import TypedDict
 
 from envloop.config import validation
 
-NonEmpty = Annotated[str, Field(min_length=1)]
-
 
 class SandboxLimitsConfig(TypedDict, total=False):
     """Resource limits of one sandbox run (see :mod:`envloop.environments.code.sandbox` for
@@ -41,7 +39,8 @@ class SandboxLimitsConfig(TypedDict, total=False):
     ]
     max_open_files: Annotated[int, Field(64, ge=16, description="open files of the process")]
     sandbox_user: Annotated[
-        NonEmpty, Field("nobody", description="unprivileged user the code runs as under root")
+        validation.NonEmptyStr,
+        Field("nobody", description="unprivileged user the code runs as under root"),
     ]
 
 
@@ -53,7 +52,7 @@ class CodeEnvConfig(SandboxLimitsConfig, total=False):
         int, Field(8, ge=1, description='code turns per episode unless metadata["max_turns"]')
     ]
     stop_strings: Annotated[
-        list[NonEmpty],
+        list[validation.NonEmptyStr],
         Field(
             default_factory=lambda: ["</code>"],
             min_length=1,
@@ -63,7 +62,6 @@ class CodeEnvConfig(SandboxLimitsConfig, total=False):
 
 
 DEFAULTS: dict[str, Any] = validation.declared_defaults(CodeEnvConfig)
-LIMIT_KEYS = tuple(validation.declared_defaults(SandboxLimitsConfig))
 
 
 def config_problems(config: Any) -> list[str]:
@@ -73,7 +71,7 @@ def config_problems(config: Any) -> list[str]:
     ["memory_mb: expected int, got str ('big')", 'max_turns: must be >= 1, got 0']
     """
     problems = validation.config_problems(CodeEnvConfig, config)
-    user = (config or {}).get("sandbox_user") if isinstance(config, Mapping) else None
+    user = config.get("sandbox_user") if isinstance(config, Mapping) else None
     return problems + sandbox_user_problems(user if isinstance(user, str) and user else "nobody")
 
 

@@ -23,7 +23,7 @@ class VLMEnvConfig(TypedDict, total=False):
         int, Field(1, ge=1, description="verify workers a batch is split across (Ray actors)")
     ]
     stop_strings: Annotated[
-        list[Annotated[str, Field(min_length=1)]] | None,
+        list[validation.NonEmptyStr] | None,
         Field(None, description="the task's stop strings: ending on one = properly ended"),
     ]
     reward_functions: Annotated[
@@ -47,18 +47,24 @@ def config_problems(config: Any) -> list[str]:
     >>> config_problems({"num_workers": 0, "reward_functions": [{"name": "format", "weight": -1}]})
     ['num_workers: must be >= 1, got 0', 'reward_functions[0].weight: must be > 0, got -1']
     """
-    problems = validation.config_problems(VLMEnvConfig, config)
-    functions = config.get("reward_functions") if isinstance(config, Mapping) else None
-    if isinstance(functions, list) or (functions is None and not problems):
-        problems += reward_config_problems(
-            functions if functions is not None else DEFAULT_CONFIG["reward_functions"]
-        )
-    return problems
+    return _merged_and_problems(config)[1]
 
 
 def validated_config(cfg: Mapping[str, Any] | None) -> VLMEnvConfig:
     """``cfg`` over the defaults; one :class:`ConfigError` lists every problem."""
-    problems = config_problems(cfg)
+    merged, problems = _merged_and_problems(cfg)
     if problems:
         raise ConfigError("VLMEnvConfig", problems)
-    return cast(VLMEnvConfig, validation.validated(VLMEnvConfig, cfg))
+    return cast(VLMEnvConfig, merged)
+
+
+def _merged_and_problems(config: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """``config`` over the defaults (None when its types are wrong) and its problems; the
+    reward functions' names and options are checked too, wherever they are a list."""
+    try:
+        merged = validation.validated(VLMEnvConfig, config)
+    except ConfigError as exc:
+        functions = config.get("reward_functions") if isinstance(config, Mapping) else None
+        extra = reward_config_problems(functions) if isinstance(functions, list) else []
+        return None, exc.problems + extra
+    return merged, reward_config_problems(merged["reward_functions"])

@@ -13,7 +13,6 @@ from envloop.models.generation.threads import DEFAULT_CPU_THREADS
 
 Device = Literal["cpu", "cuda", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
-NonEmpty = Annotated[str, Field(min_length=1)]
 
 
 @validation.config_dataclass("HfGenerationConfig")
@@ -30,10 +29,10 @@ class HfGenerationConfig:
       - num_workers: must be >= 1, got 0
     """
 
-    model_name: NonEmpty
+    model_name: validation.NonEmptyStr
     """Local folder, hub id or ``bundled:<name>`` (see :mod:`envloop.models.bundled`), loaded
     with ``AutoModelForCausalLM.from_pretrained``."""
-    tokenizer_name: NonEmpty | None = None
+    tokenizer_name: validation.NonEmptyStr | None = None
     """Folder, hub id or ``bundled:<name>`` of the tokenizer; None uses ``model_name``."""
     device: Device = "cpu"
     """``cpu``, ``cuda``, or ``auto`` (cuda when available, else cpu)."""
