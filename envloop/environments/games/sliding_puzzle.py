@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-from envloop.config.errors import ConfigError, typed_dict_problems
+from envloop.config import validation
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.common.answer_extraction import extract_tag
 from envloop.environments.games.sliding_puzzle_board import (
@@ -86,7 +87,9 @@ def initial_prompt(metadata: SlidingPuzzleMetadata) -> str:
 
 
 def _metadata_problems(md: Any) -> list[str]:
-    problems = typed_dict_problems(md, SlidingPuzzleMetadata, "metadata")
+    if md is None:  # config_problems would read None as "the defaults"; metadata has none
+        return ["expected a mapping, got None"]
+    problems = validation.config_problems(SlidingPuzzleMetadata, md)
     if not problems:
         n, rows = md["size"], md["board"]
         square = len(rows) == n and all(isinstance(r, list) and len(r) == n for r in rows)

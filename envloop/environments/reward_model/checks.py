@@ -1,4 +1,7 @@
-"""Checks of a reward-model environment config beyond types: aliases, values, unused keys.
+"""Checks of a reward-model environment config that no single key's declaration makes:
+aliases, keys that must agree, files that must exist, unused keys. They run once the types
+are right (:mod:`envloop.environments.reward_model.config`), on the config merged over its
+defaults, and skip the keys already reported.
 
 Aliases resolve on the merged config, and a conflict is a problem, never a silent choice:
 
@@ -24,10 +27,6 @@ from typing import Any
 
 from envloop.data.packing import ALGORITHMS
 
-PRECISIONS = ("float32", "bfloat16", "float16")
-"""Weight dtypes of the reward model, by their torch names."""
-REWARD_MODEL_TYPES = ("bradley_terry",)
-MICROBATCH_ORDERS = ("packer", "largest_first")
 NOT_FOR_SCORING = (
     "processor",
     "offload_optimizer_for_logprob",
@@ -121,46 +120,29 @@ _Check = tuple[str, tuple[str, ...], Callable[[Any], bool], _Fix]
 _VALUE_CHECKS: list[_Check] = [
     ("enabled", (), lambda c: c["enabled"], "this config disables the environment; "
      "don't create it"),
-    ("model_name", (), lambda c: c["model_name"] != "", "give a hub id or a local folder"),
-    ("tokenizer", (), lambda c: _tokenizer_ok(c["tokenizer"]), 'use None, a name or {"name": ...}'),
+    ("tokenizer", (), lambda c: c["tokenizer"] != "", 'use None, a name or {"name": ...}'),
     ("tokenizer.chat_template", ("tokenizer",), lambda c: _template_ok(c["tokenizer"]),
      "no such .jinja file"),
-    ("precision", (), lambda c: c["precision"] in PRECISIONS,
-     f"use one of {', '.join(PRECISIONS)}"),
-    ("batch_size", (), lambda c: c["batch_size"] >= 1, "use 1 or more"),
-    ("logprob_batch_size", (), lambda c: c.get("logprob_batch_size", 1) >= 1, "use 1 or more"),
-    ("max_model_len", (), lambda c: c["max_model_len"] >= 1, "use 1 or more"),
     ("checkpoint_path", (), lambda c: _is_file_or_none(c["checkpoint_path"]), "no such file"),
-    ("resources", (), lambda c: all(v >= 0 for v in _numbers(c["resources"])), "use counts >= 0"),
     ("resources.num_nodes", (), lambda c: c["resources"].get("num_nodes", 1) == 1,
      "the environment is one Ray actor on one node: use 1 (start several environments to use "
      "more nodes)"),
     ("reward_model_cfg.enabled", (), lambda c: c["reward_model_cfg"]["enabled"],
      "a reward-model environment needs its reward model: use true"),
-    ("reward_model_cfg.reward_model_type", (),
-     lambda c: c["reward_model_cfg"]["reward_model_type"] in REWARD_MODEL_TYPES,
-     "supported: bradley_terry (a one-label sequence classifier whose logit is the reward)"),
-    ("dynamic_batching.sequence_length_round", (),
-     lambda c: c["dynamic_batching"]["sequence_length_round"] >= 1, "use 1 or more"),
     ("dynamic_batching.logprob_mb_tokens", ("max_model_len", "dynamic_batching.enabled",
      "dynamic_batching.sequence_length_round"), lambda c: _fits(c, "dynamic_batching"),
      lambda c: _fits_hint(c, "dynamic_batching")),
-    ("sequence_packing.sequence_length_round", (),
-     lambda c: c["sequence_packing"]["sequence_length_round"] >= 1, "use 1 or more"),
     ("sequence_packing.logprob_mb_tokens", ("max_model_len", "sequence_packing.enabled",
      "sequence_packing.sequence_length_round"), lambda c: _fits(c, "sequence_packing"),
      lambda c: _fits_hint(c, "sequence_packing")),
     ("sequence_packing.algorithm", (),
      lambda c: c["sequence_packing"]["algorithm"].lower() in ALGORITHMS,
      lambda c: _one_of(c["sequence_packing"]["algorithm"], ALGORITHMS)),
-    ("sequence_packing.microbatch_order", (),
-     lambda c: c["sequence_packing"]["microbatch_order"] in MICROBATCH_ORDERS,
-     lambda c: _one_of(c["sequence_packing"]["microbatch_order"], MICROBATCH_ORDERS)),
 ]  # fmt: skip
 
 
 def value_problems(cfg: Any, mistyped: set[str]) -> list[str]:
-    """Range and consistency problems, for the keys whose types are right."""
+    """Problems of the values that no declaration checks, for the keys not yet reported."""
     problems = []
     for key, needs, ok, fix in _VALUE_CHECKS:
         if not _is_mistyped(mistyped, key, *needs) and not ok(cfg):
@@ -181,14 +163,12 @@ def round_up(length: int, multiple: int) -> int:
 
 def _fits(cfg: Any, section: str) -> bool:
     options = cfg[section]
-    multiple = max(options["sequence_length_round"], 1)
-    return not options["enabled"] or options["logprob_mb_tokens"] >= round_up(
-        cfg["max_model_len"], multiple
-    )
+    need = round_up(cfg["max_model_len"], options["sequence_length_round"])
+    return not options["enabled"] or options["logprob_mb_tokens"] >= need
 
 
 def _fits_hint(cfg: Any, section: str) -> str:
-    multiple = max(cfg[section]["sequence_length_round"], 1)
+    multiple = cfg[section]["sequence_length_round"]
     need = round_up(cfg["max_model_len"], multiple)
     return (
         f"raise it to at least {need} (max_model_len {cfg['max_model_len']} rounded up to "
@@ -217,21 +197,11 @@ def _is_mistyped(mistyped: set[str], *keys: str) -> bool:
     return any(key in mistyped or key.split(".")[0] in mistyped for key in keys)
 
 
-def _tokenizer_ok(tokenizer: Any) -> bool:
-    if isinstance(tokenizer, dict):
-        return tokenizer.get("name") != ""
-    return tokenizer != ""
-
-
 def _template_ok(tokenizer: Any) -> bool:
     template = tokenizer.get("chat_template") if isinstance(tokenizer, dict) else None
     return not (isinstance(template, str) and template.endswith(".jinja")) or os.path.isfile(
         template
     )
-
-
-def _numbers(mapping: dict[str, Any]) -> list[float]:
-    return [v for v in mapping.values() if isinstance(v, (int, float))]
 
 
 def _is_file_or_none(path: str | None) -> bool:

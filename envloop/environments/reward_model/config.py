@@ -17,22 +17,30 @@ three groups:
 (c) **Anything else** fails in one :class:`~envloop.config.errors.ConfigError` that lists
     every bad key with its dotted path and a close match ("did you mean").
 
-Each key's description is its comment below and its default is in :data:`DEFAULTS`
-(group (b) keys and ``logprob_batch_size`` have none: absent means unset). How aliases
-resolve (``batch_size`` / ``logprob_batch_size``, ``resources.gpus_per_node`` /
-``num_gpus``, the deprecated ``dynamic_batching.max_tokens_per_batch``) is in
-:mod:`envloop.environments.reward_model.checks`. Ray actor resources are options of the
-actor, not of the environment: pass ``create_env("reward_model", cfg,
-**reward_model_ray_options(cfg))``.
+Each key is declared once below: its type, range or allowed values, default and one-line
+description, validated by pydantic (:mod:`envloop.config.validation`). :data:`DEFAULTS` is
+read from the declarations (group (b) keys and the aliases have none: absent means unset).
+What one key's declaration cannot say is checked once the types are right, in
+:mod:`envloop.environments.reward_model.checks`: how aliases resolve (``batch_size`` /
+``logprob_batch_size``, ``resources.gpus_per_node`` / ``num_gpus``, the deprecated
+``dynamic_batching.max_tokens_per_batch``), keys that must agree, and files that must exist.
+Ray actor resources are options of the actor, not of the environment: pass
+``create_env("reward_model", cfg, **reward_model_ray_options(cfg))``.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, cast
 
-from envloop.config.errors import ConfigError, typed_dict_problems
+from pydantic import Field
+from typing_extensions import TypedDict
+
+from envloop.config import validation
+from envloop.config.errors import ConfigError, prefixed
+from envloop.config.validation import NonEmptyStr
 from envloop.environments.reward_model.checks import (
-    PRECISIONS,
     UnusedConfigWarning,
     resolve_aliases,
     unused_keys,
@@ -50,87 +58,127 @@ __all__ = [
     "validate_config",
 ]
 
+Precision = Literal["float32", "bfloat16", "float16"]
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+"""Weight dtypes of the reward model, by their torch names."""
+_TRAINER_ONLY = Field(description="trainer-only: not used for scoring")
+
+
+def _section(spec: type, description: str) -> Any:
+    """The declaration of a nested section: absent, it is its own fields' defaults."""
+    return Field(
+        default_factory=lambda: validation.declared_defaults(spec), description=description
+    )
+
 
 class TokenizerConfig(TypedDict, total=False):
-    name: str  # hub id or folder of the tokenizer (absent: model_name)
-    chat_template: str | None  # None: contents concatenated; "default"; a .jinja file; a template
-    chat_template_kwargs: dict[str, Any] | None  # extra apply_chat_template arguments
+    name: Annotated[NonEmptyStr, Field(description="hub id or folder (absent: model_name)")]
+    chat_template: Annotated[
+        str | None, Field(description='None: contents joined; "default"; a .jinja file; a template')
+    ]
+    chat_template_kwargs: Annotated[
+        dict[str, Any] | None, Field(description="extra apply_chat_template arguments")
+    ]
 
 
 class ResourcesConfig(TypedDict, total=False):
-    num_cpus: float  # CPUs Ray reserves for the environment actor
-    num_gpus: float  # GPUs Ray reserves for it; the model runs on cuda when it gets one
-    gpus_per_node: float  # NeMo-RL's name for num_gpus (give one of the two)
-    num_nodes: int  # must be 1: the environment is one actor on one node
+    num_cpus: Annotated[float, Field(1, ge=0, description="CPUs Ray reserves for the actor")]
+    num_gpus: Annotated[float, Field(0, ge=0, description="GPUs for it; with one it runs on cuda")]
+    gpus_per_node: Annotated[float, Field(ge=0, description="NeMo-RL's name for num_gpus")]
+    num_nodes: Annotated[
+        int, Field(description="must be 1: the environment is one actor on one node")
+    ]
 
 
 class RewardModelCfg(TypedDict, total=False):
-    enabled: bool  # must be True
-    reward_model_type: str  # "bradley_terry": a one-label sequence classifier's score
+    enabled: Annotated[bool, Field(True, description="must be true")]
+    reward_model_type: Annotated[
+        Literal["bradley_terry"],
+        Field("bradley_terry", description="a one-label classifier whose logit is the reward"),
+    ]
 
 
 class DynamicBatchingConfig(TypedDict, total=False):
-    enabled: bool  # sort conversations by length, batch them within logprob_mb_tokens
-    logprob_mb_tokens: int  # padded tokens (rows x padded length) per scoring batch
-    sequence_length_round: int  # a batch's padded length is rounded up to a multiple of this
-    train_mb_tokens: int  # trainer-only: not used for scoring
-    max_tokens_per_batch: int  # deprecated: envloop's earlier name for logprob_mb_tokens
+    enabled: Annotated[bool, Field(True, description="length-sorted batches within the budget")]
+    logprob_mb_tokens: Annotated[
+        int, Field(32768, ge=1, description="padded tokens (rows x padded length) per batch")
+    ]
+    sequence_length_round: Annotated[
+        int, Field(1, ge=1, description="a batch's padded length rounds up to a multiple of it")
+    ]
+    train_mb_tokens: Annotated[int, _TRAINER_ONLY]
+    max_tokens_per_batch: Annotated[
+        int, Field(ge=1, description="deprecated name of logprob_mb_tokens")
+    ]
 
 
 class SequencePackingConfig(TypedDict, total=False):
-    enabled: bool  # several conversations per row, each attending only to itself
-    logprob_mb_tokens: int  # tokens per packed row (rounded length included)
-    algorithm: str  # packing algorithm, see envloop.data.packing (e.g. first_fit_decreasing)
-    sequence_length_round: int  # a packed row's length is rounded up to a multiple of this
-    microbatch_order: str  # "packer" (as packed) or "largest_first" (fullest rows first)
-    train_mb_tokens: int  # trainer-only: not used for scoring
+    enabled: Annotated[
+        bool, Field(False, description="several conversations per row, each seeing itself")
+    ]
+    logprob_mb_tokens: Annotated[int, Field(8192, ge=1, description="tokens per packed row")]
+    algorithm: Annotated[
+        str,
+        Field("modified_first_fit_decreasing", description="an algorithm of envloop.data.packing"),
+    ]
+    sequence_length_round: Annotated[
+        int, Field(1, ge=1, description="a row's length rounds up to a multiple of it")
+    ]
+    microbatch_order: Annotated[
+        Literal["packer", "largest_first"],
+        Field("packer", description="rows as packed, or the fullest first"),
+    ]
+    train_mb_tokens: Annotated[int, _TRAINER_ONLY]
 
 
 class RewardModelEnvironmentConfig(TypedDict, total=False):
-    enabled: bool  # must be True: a config that disables the environment cannot create one
-    model_name: str  # hub id, folder or bundled:<name> of a one-label sequence-classification model
-    tokenizer: str | dict[str, Any] | None  # None (= model_name), a name, or a TokenizerConfig
-    precision: str  # weights dtype: "float32", "bfloat16" or "float16"
-    batch_size: int  # most conversations scored in one forward pass
-    logprob_batch_size: int  # the scoring batch size when batch_size is not given
-    checkpoint_path: str | None  # state-dict file (.safetensors or torch) loaded on top
-    max_model_len: int  # longer conversations are cut from the left to this many tokens
-    resources: ResourcesConfig  # Ray actor resources, see reward_model_ray_options
-    reward_model_cfg: RewardModelCfg  # the kind of reward model
-    dynamic_batching: DynamicBatchingConfig  # length-sorted batches within a token budget
-    sequence_packing: SequencePackingConfig  # packed rows; replaces dynamic batching
-    processor: str | None  # not used for scoring: NeMo-RL's dataset processor name
-    offload_optimizer_for_logprob: bool  # trainer-only: not used for scoring
-    max_grad_norm: float | None  # trainer-only: not used for scoring
-    dtensor_cfg: dict[str, Any] | None  # trainer-only (parallelism): not used for scoring
-    generation: dict[str, Any] | None  # trainer-only (vLLM settings): not used for scoring
+    enabled: Annotated[bool, Field(True, description="must be true (false: don't create it)")]
+    model_name: Annotated[
+        NonEmptyStr,
+        Field(
+            "Skywork/Skywork-Reward-V2-Qwen3-0.6B",
+            description="hub id, folder or bundled:<name> of a one-label sequence classifier",
+        ),
+    ]
+    tokenizer: Annotated[
+        str | dict[str, Any] | None,
+        Field(None, description="None (= model_name), a name, or a TokenizerConfig"),
+    ]
+    precision: Annotated[Precision, Field("bfloat16", description="weights dtype")]
+    batch_size: Annotated[int, Field(32, ge=1, description="most conversations per forward pass")]
+    logprob_batch_size: Annotated[
+        int, Field(ge=1, description="sets batch_size when that is absent")
+    ]
+    checkpoint_path: Annotated[
+        str | None, Field(None, description="state-dict file (.safetensors or torch) loaded on top")
+    ]
+    max_model_len: Annotated[
+        int, Field(4096, ge=1, description="tokens kept of a conversation (cut from the left)")
+    ]
+    resources: Annotated[ResourcesConfig, _section(ResourcesConfig, "Ray actor resources")]
+    reward_model_cfg: Annotated[
+        RewardModelCfg, _section(RewardModelCfg, "the kind of reward model")
+    ]
+    dynamic_batching: Annotated[
+        DynamicBatchingConfig,
+        _section(DynamicBatchingConfig, "length-sorted batches within a token budget"),
+    ]
+    sequence_packing: Annotated[
+        SequencePackingConfig,
+        _section(SequencePackingConfig, "packed rows; replaces dynamic batching"),
+    ]
+    processor: Annotated[
+        str | None, Field(description="not used for scoring: NeMo-RL's data processor")
+    ]
+    offload_optimizer_for_logprob: Annotated[bool, _TRAINER_ONLY]
+    max_grad_norm: Annotated[float | None, _TRAINER_ONLY]
+    dtensor_cfg: Annotated[dict[str, Any] | None, _TRAINER_ONLY]
+    generation: Annotated[dict[str, Any] | None, _TRAINER_ONLY]
 
 
-DEFAULTS: RewardModelEnvironmentConfig = {
-    "enabled": True,
-    "model_name": "Skywork/Skywork-Reward-V2-Qwen3-0.6B",
-    "tokenizer": None,
-    "precision": "bfloat16",
-    "batch_size": 32,
-    "checkpoint_path": None,
-    "max_model_len": 4096,
-    "resources": {"num_cpus": 1, "num_gpus": 0},
-    "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"},
-    "dynamic_batching": {"enabled": True, "logprob_mb_tokens": 32768, "sequence_length_round": 1},
-    "sequence_packing": {
-        "enabled": False,
-        "logprob_mb_tokens": 8192,
-        "algorithm": "modified_first_fit_decreasing",
-        "sequence_length_round": 1,
-        "microbatch_order": "packer",
-    },
-}
-_NESTED: dict[str, type] = {
-    "resources": ResourcesConfig,
-    "reward_model_cfg": RewardModelCfg,
-    "dynamic_batching": DynamicBatchingConfig,
-    "sequence_packing": SequencePackingConfig,
-}
+DEFAULTS = cast(
+    RewardModelEnvironmentConfig, validation.declared_defaults(RewardModelEnvironmentConfig)
+)
 
 
 def config_problems(config: Any = None) -> list[str]:
@@ -139,8 +187,8 @@ def config_problems(config: Any = None) -> list[str]:
     configs with it before starting Ray.
 
     >>> config_problems({"batch_size": 0, "resources": {"num_cpu": 1}})
-    ["resources.num_cpu: unknown option. Did you mean 'num_cpus'?", 'batch_size: 0 is \
-invalid; use 1 or more']
+    ['batch_size: must be >= 1, got 0', "resources.num_cpu: unknown option. Did you mean \
+'num_cpus'?"]
     """
     return _merged_and_problems(config)[1]
 
@@ -161,28 +209,30 @@ def validate_config(config: Any = None) -> RewardModelEnvironmentConfig:
 
 
 def _merged_and_problems(config: Any) -> tuple[Any, list[str]]:
-    """``config`` over :data:`DEFAULTS` with aliases resolved, and its problems."""
+    """``config`` over :data:`DEFAULTS` with aliases resolved, and its problems: the
+    declarations' first, then those of the checks (which skip the keys already wrong)."""
     given = {} if config is None else config
-    if not isinstance(given, dict):
-        return None, typed_dict_problems(given, dict)
-    # Nested TypedDicts are checked on their own (typed_dict_problems checks one level).
-    flat = {k: v for k, v in given.items() if k not in _NESTED}
-    problems = typed_dict_problems(flat, RewardModelEnvironmentConfig, "config")
-    merged: Any = {**DEFAULTS, **given}
-    for key, spec in _NESTED.items():
-        if isinstance(merged[key], dict):
-            merged[key] = {**DEFAULTS[key], **merged[key]}  # type: ignore[literal-required]
-            problems += [f"{key}.{p}" for p in typed_dict_problems(merged[key], spec, key)]
-        else:
-            problems.append(f"{key}: expected a dict, got {type(merged[key]).__name__}")
-    if isinstance(merged["tokenizer"], dict):
-        problems += [
-            f"tokenizer.{p}" for p in typed_dict_problems(merged["tokenizer"], TokenizerConfig)
-        ]
+    problems = validation.config_problems(RewardModelEnvironmentConfig, given)
+    if not isinstance(given, Mapping):
+        return None, problems
+    tokenizer = given.get("tokenizer")
+    if isinstance(tokenizer, Mapping):
+        problems += prefixed(validation.config_problems(TokenizerConfig, tokenizer), "tokenizer")
+    merged = _over_defaults(given)
     mistyped = {p.split(":")[0] for p in problems}
     problems += resolve_aliases(given, merged, mistyped)
     problems += value_problems(merged, mistyped)
     return merged, problems
+
+
+def _over_defaults(config: Mapping[str, Any]) -> Any:
+    """``config`` over :data:`DEFAULTS`, each nested section over its own defaults (copies:
+    aliases resolve in place)."""
+    merged = {**DEFAULTS, **config}
+    for key, default in DEFAULTS.items():
+        if isinstance(default, dict) and isinstance(merged[key], Mapping):
+            merged[key] = {**default, **merged[key]}
+    return merged
 
 
 def reward_model_ray_options(config: Any = None) -> dict[str, float]:

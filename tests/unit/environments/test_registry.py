@@ -160,9 +160,7 @@ def test_config_checks_registered_by_path_or_as_a_function():
     )
     path = "tests.fixtures.envs:CountdownEnv.config_problems"
     register_env("reg_checked_path", CountdownEnv, overwrite=True, config_check=path)
-    assert get_config_check("reg_checked_path")({"start": 0}) == [
-        "start: must be at least 1, got 0"
-    ]
+    assert get_config_check("reg_checked_path")({"start": 0}) == ["start: must be >= 1, got 0"]
     register_env("reg_unchecked", CountdownEnv, overwrite=True)
     assert get_config_check("reg_unchecked") is None
     with pytest.raises(ValueError, match="No environment named 'reg_uncheckd'"):

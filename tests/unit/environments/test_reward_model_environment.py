@@ -289,29 +289,27 @@ def test_config_errors_list_every_bad_key(tmp_path):
         RewardModelEnvironment(bad)
     missing_template = str(tmp_path / "missing.jinja")
     assert info.value.problems == [
-        "model_nme: unknown option. Did you mean 'model_name'?",
-        "logprob_batch_sise: unknown option. Did you mean 'logprob_batch_size'?",
+        "precision: 'fp8' is not one of float32, bfloat16, float16",
+        "batch_size: must be >= 1, got 0",
         "max_model_len: expected int, got str ('long')",
+        "resources.num_gpus: must be >= 0, got -1",
         "resources.gpus: unknown option. Did you mean 'num_gpus'?",
+        "reward_model_cfg.reward_model_type: 'regression' is not one of bradley_terry",
         "dynamic_batching.enabled: expected bool, got str ('yes')",
+        "sequence_packing.microbatch_order: 'random' is not one of packer, largest_first",
         "sequence_packing.sequence_length_pad_multiple: unknown option. "
         "Did you mean 'sequence_length_round'?",
+        "model_nme: unknown option. Did you mean 'model_name'?",
+        "logprob_batch_sise: unknown option. Did you mean 'logprob_batch_size'?",
         "tokenizer.nam: unknown option. Did you mean 'name'?",
         "enabled: False is invalid; this config disables the environment; don't create it",
         f"tokenizer.chat_template: {missing_template!r} is invalid; no such .jinja file",
-        "precision: 'fp8' is invalid; use one of float32, bfloat16, float16",
-        "batch_size: 0 is invalid; use 1 or more",
         f"checkpoint_path: {str(tmp_path / 'missing.pt')!r} is invalid; no such file",
-        "resources: {'num_cpus': 1, 'num_gpus': -1, 'gpus': 1, 'num_nodes': 2} is invalid; "
-        "use counts >= 0",
         "resources.num_nodes: 2 is invalid; the environment is one Ray actor on one node: use 1 "
         "(start several environments to use more nodes)",
-        "reward_model_cfg.reward_model_type: 'regression' is invalid; supported: bradley_terry "
-        "(a one-label sequence classifier whose logit is the reward)",
         "sequence_packing.algorithm: 'first_fit_decreasng' is invalid; use one of concatenative, "
         "first_fit_decreasing, first_fit_shuffle, modified_first_fit_decreasing; did you mean "
         "'first_fit_decreasing'?",
-        "sequence_packing.microbatch_order: 'random' is invalid; use one of packer, largest_first",
     ]
     with pytest.raises(ConfigError) as info:
         validate_config({"max_model_len": 200, "dynamic_batching": {"sequence_length_round": 128}}
@@ -321,8 +319,9 @@ def test_config_errors_list_every_bad_key(tmp_path):
         "sequence_packing.logprob_mb_tokens: 250 is invalid; raise it to at least 256 "
         "(max_model_len 200 rounded up to sequence_length_round 64), so every conversation fits"
     ]
-    with pytest.raises(ConfigError, match="config: expected a dict, got str"):
+    with pytest.raises(ConfigError) as info:
         validate_config("model")
+    assert info.value.problems == ["expected a mapping, got str ('model')"]
 
 
 def test_aliases_resolve_and_conflicts_are_errors():
@@ -360,10 +359,34 @@ def test_aliases_resolve_and_conflicts_are_errors():
     ]
     with pytest.raises(ConfigError, match="reward_model_cfg.enabled: False is invalid"):
         validate_config({"reward_model_cfg": {"enabled": False}})
+    # A key its declaration rejects is not checked against the others as well.
+    too_small = {"logprob_mb_tokens": 256, "sequence_length_round": 0}  # 256 < max_model_len
+    with pytest.raises(ConfigError) as info:
+        validate_config({"batch_size": 8, "logprob_batch_size": 0, "dynamic_batching": too_small})
+    assert info.value.problems == [
+        "logprob_batch_size: must be >= 1, got 0",
+        "dynamic_batching.sequence_length_round: must be >= 1, got 0",
+    ]
 
 
 def test_none_means_defaults_and_ray_options_come_from_resources():
     assert validate_config(None) == DEFAULTS
+    assert DEFAULTS == {
+        "enabled": True,
+        "model_name": "Skywork/Skywork-Reward-V2-Qwen3-0.6B",
+        "tokenizer": None,
+        "precision": "bfloat16",
+        "batch_size": 32,
+        "checkpoint_path": None,
+        "max_model_len": 4096,
+        "resources": {"num_cpus": 1, "num_gpus": 0},
+        "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"},
+        "dynamic_batching": {"enabled": True, "logprob_mb_tokens": 32768,
+                             "sequence_length_round": 1},
+        "sequence_packing": {"enabled": False, "logprob_mb_tokens": 8192,
+                             "algorithm": "modified_first_fit_decreasing",
+                             "sequence_length_round": 1, "microbatch_order": "packer"},
+    }  # fmt: skip
     assert reward_model_ray_options(None) == {"num_cpus": 1, "num_gpus": 0}
     assert reward_model_ray_options({"resources": {"num_cpus": 2, "num_gpus": 0.5}}) == {
         "num_cpus": 2,

@@ -339,7 +339,7 @@ def test_a_constructor_error_surfaces_as_the_groups_first_step_error(actors):
     results = step(envs, ["a", "b"])
     assert replies(results[0]) == ["r0"]
     assert results[1].result is None and results[1].error.startswith("env b.step raised:\n")
-    assert "start: must be at least 1, got 0" in results[1].error
+    assert "start: must be >= 1, got 0" in results[1].error
 
 
 @pytest.mark.ray

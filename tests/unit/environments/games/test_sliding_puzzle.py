@@ -274,8 +274,15 @@ def test_metadata_not_made_by_new_episode_metadata_is_a_clear_error():
     env = SlidingPuzzleEnv()
     with pytest.raises(ConfigError, match=r"board: expected 2 lists of 2 tiles holding 0..3"):
         reply(env, episode([[1, 2], [3, 3]]), "<action>up</action>")
-    with pytest.raises(ConfigError, match="metadata: expected a dict, got NoneType"):
+    with pytest.raises(ConfigError) as info:
         reply(env, None, "<action>up</action>")
+    assert info.value.problems == ["expected a mapping, got None"]
+    with pytest.raises(ConfigError) as info:
+        reply(env, {**episode([[1, 2], [3, 0]]), "board": [[1, "2"], [3, 0]], "sed": 0}, "")
+    assert info.value.problems == [
+        "board[0][1]: expected int, got str ('2')",
+        "sed: unknown option. Did you mean 'seed'?",
+    ]
 
 
 def test_metrics():
