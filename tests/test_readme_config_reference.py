@@ -1,22 +1,33 @@
-"""The README's config reference table is the one generated from the config models."""
+"""The README's config reference and rollout options tables are generated from the config
+classes, so they cannot drift from the declarations."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import pytest
+
+from envloop.config.declarations import options_table
+from envloop.experience.rollout_options import RolloutOptions
 from envloop.run.config import config_reference_table
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+TABLES = {
+    "config-reference": ("envloop.run.config.config_reference_table()", config_reference_table),
+    "rollout-options": (
+        "envloop.config.declarations.options_table(RolloutOptions)",
+        lambda: options_table(RolloutOptions),
+    ),
+}
 
 
-def test_readme_config_reference_is_in_sync():
+@pytest.mark.parametrize("marker", sorted(TABLES))
+def test_readme_table_is_in_sync(marker):
+    source, generate = TABLES[marker]
     text = README.read_text()
-    match = re.search(
-        r"<!-- config-reference:start -->\n(.*?)\n<!-- config-reference:end -->", text, re.S
-    )
-    assert match, "README.md lost its config-reference markers"
-    assert match.group(1).strip() == config_reference_table().strip(), (
-        "README config reference is stale; regenerate it from "
-        "envloop.run.config.config_reference_table()"
+    match = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", text, re.S)
+    assert match, f"README.md lost its {marker} markers"
+    assert match.group(1).strip() == generate().strip(), (
+        f"README {marker} table is stale; regenerate it from {source}"
     )

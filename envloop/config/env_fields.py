@@ -24,8 +24,8 @@ from typing import Any, cast
 
 from typing_extensions import is_typeddict
 
+from envloop.config.declarations import type_name
 from envloop.config.errors import prefixed
-from envloop.config.schema import type_name
 
 DEFAULTS_NAMES = ("DEFAULTS", "DEFAULT_CONFIG", "_DEFAULTS")
 _COMMENTED_FIELD = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+?)\s*$")

@@ -3,39 +3,52 @@ of the ``envloop run`` config, read by :func:`envloop.data.datasets.load_prompt_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import typing
+from typing import Annotated, Literal
 
-from envloop.config.schema import at_least, meta, option
+from pydantic import Field
 
-__all__ = ["ColumnsConfig", "DataConfig"]
+from envloop.config.validation import Config, NonEmptyStr
+
+__all__ = ["DATA_FORMATS", "ColumnsConfig", "DataConfig", "DataFormat"]
+
+DataFormat = Literal["auto", "jsonl", "parquet", "hf_disk", "hf_hub"]
+DATA_FORMATS: tuple[str, ...] = typing.get_args(DataFormat)
 
 
-@dataclass(kw_only=True)
-class ColumnsConfig:
+class ColumnsConfig(Config, title="data columns"):
     """Which dataset column holds what."""
 
-    prompt: str = option("prompt", "the prompt: a string, or a list of {role, content} messages")
-    ground_truth: str = option("ground_truth", "the reference answer (extra_env_info.ground_truth)")
-    task: str | None = option("task", "the task name (a key of envs); null: the only task")
-    system_prompt: str | None = option(None, "a per-row system prompt; null: data.system_prompt")
-    metadata: str | None = option(None, "a dict merged into the sample's extra_env_info")
+    prompt: NonEmptyStr = "prompt"
+    """The prompt: a string, or a list of ``{role, content}`` messages."""
+    ground_truth: NonEmptyStr = "ground_truth"
+    """The reference answer (``extra_env_info.ground_truth``)."""
+    task: NonEmptyStr | None = "task"
+    """The task name (a key of ``envs``); None: the only task."""
+    system_prompt: NonEmptyStr | None = None
+    """A per-row system prompt; None: ``data.system_prompt``."""
+    metadata: NonEmptyStr | None = None
+    """A dict merged into the sample's ``extra_env_info``."""
 
 
-@dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(Config, title="data"):
     """Where the prompts come from and how they become chat messages."""
 
-    path: str = option(help="JSONL or Parquet file, saved datasets folder, or hub id")
-    format: Literal["auto", "jsonl", "parquet", "hf_disk", "hf_hub"] = option(
-        "auto", "auto: from the file extension or folder contents (else a hub id)"
-    )
-    split: str = option("train", "split of a saved DatasetDict or hub dataset")
-    columns: ColumnsConfig = field(default_factory=ColumnsConfig, metadata=meta("column mapping"))
-    prompt_template: str = option(
-        "{prompt}", "format string for string prompts; {prompt} and any column may appear"
-    )
-    system_prompt: str | None = option(None, "system message prepended to every prompt")
-    limit: int | None = option(None, "use only this many rows (after shuffling)", check=at_least(1))
-    shuffle: bool = option(False, "shuffle rows before the limit")
-    seed: int = option(0, "shuffle seed")
+    path: NonEmptyStr
+    """JSONL or Parquet file, saved datasets folder, or hub id."""
+    format: DataFormat = "auto"
+    """``auto``: from the file extension or folder contents (else a hub id)."""
+    split: NonEmptyStr = "train"
+    """Split of a saved DatasetDict or hub dataset."""
+    columns: ColumnsConfig = ColumnsConfig()
+    """Which column holds what."""
+    prompt_template: str = "{prompt}"
+    """Format string for string prompts; ``{prompt}`` and any column may appear."""
+    system_prompt: str | None = None
+    """System message prepended to every prompt."""
+    limit: Annotated[int, Field(ge=1)] | None = None
+    """Use only this many rows (after shuffling)."""
+    shuffle: bool = False
+    """Shuffle rows before the limit."""
+    seed: int = 0
+    """Shuffle seed."""

@@ -1,5 +1,6 @@
 """Options of the rollout engine, declared once and validated once with every problem
-reported (:func:`envloop.config.validation.built`)."""
+reported. :class:`RolloutSettings` are the ones a config file can set (the run config's
+``rollout`` section composes them); :class:`RolloutOptions` adds the progress callback."""
 
 from __future__ import annotations
 
@@ -8,19 +9,38 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from envloop.config import validation
+from envloop.config.validation import Config
 
 ObservationFormat = Literal["raw", "chat_template"]
 OnEnvError = Literal["record", "raise"]
 
 
-@validation.config_dataclass("rollout options")
-class RolloutOptions:
+class RolloutSettings(Config, title="rollout options"):
+    """The options of ``run_multi_turn_rollout`` that are plain values."""
+
+    observation_format: ObservationFormat = "raw"
+    """``raw``: observation text tokenized as is. ``chat_template``: rendered by the
+    tokenizer's template as a new message plus the next assistant prefix (closing the
+    assistant turn first if the response did not end with EOS), so the whole sequence
+    equals ``apply_chat_template(conversation, add_generation_prompt=True)``."""
+    env_step_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
+    """Seconds one environment step may take (actor start-up does not count); a step that
+    takes longer fails its samples. None: no limit."""
+    on_env_error: OnEnvError = "record"
+    """``record``: a failing step ends only its samples, with ``loss_multiplier`` 0, the
+    error text in ``env_error``, and ``env_error_rate``; ``raise``:
+    ``EnvironmentStepError`` with the environment's traceback."""
+    env_max_retries: Annotated[int, Field(ge=0)] = 1
+    """Retries of a step whose Ray actor died (actors from ``create_env`` restart up to 3
+    times)."""
+
+
+class RolloutOptions(RolloutSettings, title="rollout options"):
     """Keyword options of ``run_multi_turn_rollout``.
 
-    >>> RolloutOptions.from_kwargs({"observation_format": "chat_template"}).on_env_error
+    >>> RolloutOptions.from_mapping({"observation_format": "chat_template"}).on_env_error
     'record'
-    >>> RolloutOptions.from_kwargs({"env_step_timeout_s": 0, "env_max_retries": True})
+    >>> RolloutOptions.from_mapping({"env_step_timeout_s": 0, "env_max_retries": True})
     Traceback (most recent call last):
     ...
     envloop.config.errors.ConfigError: Invalid rollout options:
@@ -28,20 +48,8 @@ class RolloutOptions:
       - env_max_retries: expected int, got bool (True)
     """
 
-    observation_format: ObservationFormat = "raw"
-    """``raw``: observation content tokenized as is. ``chat_template``: rendered as a chat
-    message by the tokenizer's template, followed by the next assistant prefix."""
-    env_step_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
-    """Seconds one environment step may take before its samples fail; None: no limit."""
-    on_env_error: OnEnvError = "record"
-    """``record``: a failing environment fails only its samples. ``raise``: fail fast."""
-    env_max_retries: Annotated[int, Field(ge=0)] = 1
-    """Retries of a step whose Ray actor died (Ray restarts the actor in between)."""
     on_turn: Callable[[Any], None] | None = None  # no torch import here: run configs use it
     """Called after every turn with a :class:`~envloop.experience.rollout_metrics.RolloutProgress`
-    (samples done, turns, generated tokens, seconds), e.g. to draw progress; None: nothing."""
-
-    @classmethod
-    def from_kwargs(cls, options: dict[str, Any]) -> RolloutOptions:
-        """Build from keyword options, rejecting unknown names together with bad values."""
-        return validation.built(cls, options)
+    (``samples``, ``samples_done``, ``turns``, ``generated_tokens``, ``generation_s``,
+    ``elapsed_s``, ``tokens_per_s``); ``envloop run`` draws its progress line with it. None:
+    nothing."""

@@ -89,7 +89,7 @@ def run_multi_turn_rollout(
         such component; ``reward_components`` lists, per sample, the names its own
         environment returned).
     """
-    opts = RolloutOptions.from_kwargs(options)
+    opts = RolloutOptions.from_mapping(options)
     _check_limits(max_seq_len, max_rollout_turns)
     state = RolloutState.start(input_batch, tokenizer, max_seq_len)
     check_tasks_have_envs(state.task_names, task_to_env)

@@ -86,7 +86,8 @@ def report_context(
     tasks = list(dict.fromkeys(r["task"] for r in records))
     colors = {task: PALETTE[i % len(PALETTE)] for i, task in enumerate(tasks)}
     by_task = {task: [r for r in records if r["task"] == task] for task in tasks}
-    model = ((config or {}).get("policy") or {}).get("model")
+    policy = (config or {}).get("policy") or {}
+    model = policy.get("model_name") or policy.get("model")  # "model": older run directories
     tiles, tiles_note = _headline(records, by_task, colors, metrics)
     return {
         "title": title,

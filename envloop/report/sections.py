@@ -11,12 +11,14 @@ from typing import Any, NamedTuple
 import yaml
 
 CONFIG_HIGHLIGHTS = [
-    ("policy", "model"), ("policy", "backend"), ("policy", "temperature"), ("policy", "top_p"),
-    ("policy", "max_new_tokens"), ("policy", "seed"), ("data", "path"), ("data", "limit"),
+    ("policy", "model_name"), ("policy", "model"), ("policy", "backend"),
+    ("policy", "temperature"), ("policy", "top_p"), ("policy", "max_new_tokens"),
+    ("policy", "seed"), ("data", "path"), ("data", "limit"),
     ("rollout", "max_turns"), ("rollout", "max_seq_len"), ("rollout", "generations_per_prompt"),
     ("rollout", "batch_size"), ("rollout", "observation_format"), ("rollout", "on_env_error"),
 ]  # fmt: skip
-"""The ``(section, key)`` pairs shown at the top of the config card."""
+"""The ``(section, key)`` pairs shown at the top of the config card (``policy.model`` is
+``policy.model_name`` in run directories written before the config had one mechanism)."""
 
 NO_TASK_COLOR = "#98a2b3"
 """The dot of a task the run's samples never mention."""

@@ -1,31 +1,32 @@
 """The config of ``envloop run``: one typed section per concern, loaded from YAML plus
 dotted ``key=value`` overrides, and validated with every problem reported at once.
 
->>> config = load_run_config(None, ["data.path=d.jsonl", "envs.math.name=math",
-...                                 "rollout.max_turns=2"], deep=False)
->>> config.rollout.max_turns, config.policy.model, config.envs["math"].name
-(2, 'bundled:policy', 'math')
->>> load_run_config(None, ["data.path=d.jsonl", "envs.math.name=math", "policy.tempreature=2",
-...                        "rollout.max_turns=four"], deep=False)
+>>> config = load_run_config(None, ["policy.model_name=bundled:policy", "data.path=d.jsonl",
+...                                 "envs.math.name=math", "rollout.max_turns=2"], deep=False)
+>>> config.rollout.max_turns, config.policy.max_new_tokens, config.envs["math"].name
+(2, 512, 'math')
+>>> load_run_config(None, ["policy.model_name=m", "data.path=d.jsonl", "envs.math.name=math",
+...                        "policy.tempreature=2", "rollout.max_turns=four"], deep=False)
 Traceback (most recent call last):
 ...
 envloop.config.errors.ConfigError: Invalid run config:
   - policy.tempreature: unknown option. Did you mean 'temperature'?
-  - rollout.max_turns: expected int, got 'four'
+  - rollout.max_turns: expected int, got str ('four')
 """
 
 from __future__ import annotations
 
-import dataclasses
+import re
 from collections.abc import Iterator, Sequence
-from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import Field, field_validator
 
+from envloop.config.declarations import markdown_table, reference_rows
 from envloop.config.errors import ConfigError
-from envloop.config.schema import build_config, meta, reference_rows
+from envloop.config.validation import Config
 from envloop.data.dataset_config import DataConfig
 from envloop.run.config_checks import env_problems, semantic_problems
 from envloop.run.config_sections import (
@@ -51,22 +52,32 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(kw_only=True)
-class RunConfig:
+class RunConfig(Config, title="run config"):
     """Everything ``envloop run`` needs; ``config.yaml`` in a run directory is this, resolved."""
 
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata=meta("the policy"))
-    data: DataConfig = field(metadata=meta("the prompts"))
-    envs: dict[str, EnvConfig] = field(
-        metadata=meta("task name -> environment", placeholder="task")
-    )
-    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata=meta("rollouts"))
-    ray: RayConfig = field(default_factory=RayConfig, metadata=meta("the Ray session"))
-    output: OutputConfig = field(default_factory=OutputConfig, metadata=meta("the results"))
+    policy: PolicyConfig
+    """The policy."""
+    data: DataConfig
+    """The prompts."""
+    envs: Annotated[dict[str, EnvConfig], Field(json_schema_extra={"placeholder": "task"})]
+    """Task name -> environment."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollouts."""
+    ray: RayConfig = RayConfig()
+    """The Ray session."""
+    output: OutputConfig = OutputConfig()
+    """The results."""
+
+    @field_validator("envs")
+    @classmethod
+    def _some_task(cls, envs: dict[str, EnvConfig]) -> dict[str, EnvConfig]:
+        if not envs:
+            raise ValueError("name at least one task, e.g. envs: {math: {name: math}}")
+        return envs
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts (what ``config.yaml`` holds)."""
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
 
 def load_run_config(
@@ -87,8 +98,12 @@ def load_run_config(
     raw = apply_overrides(raw, overrides, problems)
     if deep and path is not None:
         _resolve_data_path(raw, Path(path).parent)
-    config = build_config(RunConfig, raw, "", problems)
-    problems += semantic_problems(raw, deep)
+    try:
+        config = RunConfig.from_mapping(raw)
+    except ConfigError as exc:
+        config, problems = None, problems + exc.problems
+    if deep:
+        problems += semantic_problems(raw)
     if not problems and deep:
         problems += env_problems(raw)
     if problems or config is None:
@@ -115,7 +130,7 @@ def apply_overrides(
             )
             continue
         try:
-            value = yaml.safe_load(text)
+            value = yaml.load(text, Loader=_YamlLoader)
         except yaml.YAMLError as exc:
             problems.append(f"{key}: override value {text!r} is not valid YAML ({exc})")
             continue
@@ -140,11 +155,23 @@ def config_reference_rows() -> Iterator[tuple[str, str, str, str]]:
 
 def config_reference_table() -> str:
     """The config reference as a Markdown table (the README's copy is checked against it)."""
-    lines = ["| key | type | default | description |", "|---|---|---|---|"]
-    for row in config_reference_rows():
-        cells = [f"`{row[0]}`", row[1], f"`{row[2]}`" if row[2] else "", row[3]]
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    return "\n".join(lines)
+    rows = (
+        (f"`{key}`", type_, f"`{default}`" if default else "", description)
+        for key, type_, default, description in config_reference_rows()
+    )
+    return markdown_table(("key", "type", "default", "description"), rows)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML's safe loader, reading ``1e-3`` as a float, as YAML 1.2 does (1.1 needs a dot:
+    ``1.0e-3``; without this, ``lr: 1e-3`` is a string and fails a float field)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
@@ -152,7 +179,7 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError("run config", [f"{path}: no such config file"])
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_YamlLoader)
     except yaml.YAMLError as exc:
         raise ConfigError("run config", [f"{path}: not valid YAML ({exc})"]) from exc
     if raw is None:

@@ -1,7 +1,8 @@
 """Checks of a run config that go beyond types, each problem naming its dotted key.
 
-Two tiers, so that a bad config fails fast: :func:`semantic_problems` (required sections,
-models, tokenizers, checkpoints and the dataset can be found), then :func:`env_problems`
+Two tiers after the types and values (:class:`~envloop.run.config.RunConfig`), so that a bad
+config fails fast: :func:`semantic_problems` (the models, tokenizers, checkpoints and the
+dataset named can be found), then :func:`env_problems`
 (each environment exists and its config passes every check its constructor runs). Neither
 imports anything heavy for the built-in environments, whose registry entries name a
 torch-free config check; an environment without one (a ``module:Class`` path, or one
@@ -13,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from envloop.config.errors import prefixed
+from envloop.data.dataset_config import DATA_FORMATS
 from envloop.models.bundled import resolve_bundled, resolve_model
 from envloop.run.config_paths import dataset_problem, file_problem, model_problem
 
@@ -24,36 +26,28 @@ __all__ = [
     "semantic_problems",
 ]
 
-_FORMATS = ("auto", "jsonl", "parquet", "hf_disk", "hf_hub")
 ENV_MODEL_KEYS = ("model_name", "tokenizer", "tokenizer_name")
 """Environment config keys naming a model or tokenizer (folder, hub id or bundled:<name>)."""
 ENV_FILE_KEYS = {"checkpoint_path": "state-dict file (.safetensors or a torch checkpoint)"}
 """Environment config keys naming a local file, with what the file holds."""
 
 
-def semantic_problems(raw: Mapping[str, Any], deep: bool = True) -> list[str]:
-    """Problems beyond types, found in the raw config mapping (so they are reported together
-    with type errors); ``deep`` also checks that the models, tokenizers, checkpoints and the
-    dataset named can be found (see :mod:`envloop.run.config_paths`). Imports nothing heavy."""
-    envs, rollout = _section(raw, "envs"), _section(raw, "rollout")
+def semantic_problems(raw: Mapping[str, Any]) -> list[str]:
+    """Whether the models, tokenizers, checkpoints and the dataset the raw config mapping
+    names can be found (see :mod:`envloop.run.config_paths`); read from the mapping, so
+    they are reported together with type errors. Imports nothing heavy."""
     problems = []
-    if not envs and "envs" in raw:
-        problems.append("envs: name at least one task, e.g. envs: {math: {name: math}}")
-    if rollout.get("mode") == "async":
-        problems.append("rollout.mode: 'async' is not available yet; use sync")
-    if not deep:
-        return problems
     policy = _section(raw, "policy")
-    for key in ("model", "tokenizer"):
+    for key in ("model_name", "tokenizer_name"):
         if isinstance(policy.get(key), str):
             problems += _some(model_problem(f"policy.{key}", policy[key]))
-    for task, env in envs.items():
+    for task, env in _section(raw, "envs").items():
         config = env.get("config") if isinstance(env, Mapping) else None
         if isinstance(config, Mapping):
             problems += _env_path_problems(f"envs.{task}.config", config)
     data = _section(raw, "data")
     fmt = data.get("format", "auto")
-    if isinstance(data.get("path"), str) and fmt in _FORMATS:
+    if isinstance(data.get("path"), str) and fmt in DATA_FORMATS:
         problems += _some(dataset_problem("data.path", data["path"], fmt))
     return problems
 

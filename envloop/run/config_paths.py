@@ -11,9 +11,9 @@ not starting or ending with ``-`` or ``.``, without ``--`` or ``..``, at most 96
 (True, False, True)
 >>> is_hub_id("Qwen/Qwen3-0.6B"), is_hub_id("bad..name"), is_hub_id("-x")
 (True, False, False)
->>> model_problem("policy.model", "/nonexistent")  # doctest: +NORMALIZE_WHITESPACE
-"policy.model: no such folder: '/nonexistent' (read as a local path; hub ids look like
-org/name, e.g. Qwen/Qwen3-0.6B). Set policy.model to an existing model folder, a hub id or
+>>> model_problem("policy.model_name", "/nonexistent")  # doctest: +NORMALIZE_WHITESPACE
+"policy.model_name: no such folder: '/nonexistent' (read as a local path; hub ids look like
+org/name, e.g. Qwen/Qwen3-0.6B). Set policy.model_name to an existing model folder, a hub id or
 bundled:<name> (policy, reward_model)."
 """
 

@@ -45,8 +45,8 @@ class RunInputs:
 
 def prepare_inputs(config: RunConfig) -> RunInputs:
     """The prompts of ``config`` loaded and tokenized, checked against the config. Raises
-    :class:`ConfigError` naming the key to change (``data.*``, ``policy.model`` /
-    ``policy.tokenizer``, ``rollout.max_seq_len``)."""
+    :class:`ConfigError` naming the key to change (``data.*``, ``policy.model_name`` /
+    ``policy.tokenizer_name``, ``rollout.max_seq_len``)."""
     started = time.perf_counter()
     tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
     samples = load_prompt_samples(config.data, tasks)
@@ -61,15 +61,14 @@ def prepare_inputs(config: RunConfig) -> RunInputs:
 
 
 def load_policy_tokenizer(policy: PolicyConfig) -> Any:
-    """The tokenizer ``policy.tokenizer`` (or else ``policy.model``) names. Raises OSError
-    starting with that key when it cannot be loaded (e.g. a hub id without network access)."""
+    """The tokenizer ``policy.tokenizer_name`` (by default ``policy.model_name``) names.
+    Raises OSError starting with the key given when it cannot be loaded (e.g. a hub id
+    without network access)."""
     from envloop.models.tokenizers import get_tokenizer
 
-    key, name = (
-        ("policy.tokenizer", policy.tokenizer)
-        if policy.tokenizer
-        else ("policy.model", policy.model)
-    )
+    given = "tokenizer_name" in policy.model_fields_set and policy.tokenizer_name is not None
+    key = "policy.tokenizer_name" if given else "policy.model_name"
+    name = policy.tokenizer_name
     try:
         return get_tokenizer({"name": name})
     except (OSError, ValueError) as exc:

@@ -21,9 +21,8 @@ from typing import IO, Any
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
-from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
+from envloop.models.generation.hf_generation import HfGeneration
 from envloop.run.config import RunConfig
-from envloop.run.config_checks import resolve_model
 from envloop.run.config_sections import PolicyConfig, RayConfig
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
 from envloop.run.metrics import (
@@ -91,24 +90,8 @@ def run(
 
 
 def make_policy(policy: PolicyConfig) -> HfGeneration:
-    """The policy of ``policy`` (``bundled:`` paths resolved)."""
-    tokenizer = resolve_model(policy.tokenizer) if policy.tokenizer else None
-    return HfGeneration(
-        HfGenerationConfig(
-            model_name=resolve_model(policy.model),
-            tokenizer_name=tokenizer,
-            device=policy.device,
-            dtype=policy.dtype,
-            temperature=policy.temperature,
-            top_p=policy.top_p,
-            top_k=policy.top_k,
-            max_new_tokens=policy.max_new_tokens,
-            micro_batch_size=policy.micro_batch_size,
-            seed=policy.seed,
-            num_workers=policy.num_workers,
-            cpu_threads=policy.cpu_threads,
-        )
-    )
+    """The policy of the ``policy`` section (the backend's own config)."""
+    return HfGeneration(policy)
 
 
 def start_ray(ray_config: RayConfig) -> bool:

@@ -30,7 +30,7 @@ def run_dir(tmp_path_factory, tiny_policy_dir, ray_session):
         rows.append({"prompt": initial_prompt(episode), "task": "puzzle", "metadata": episode})
     (folder / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     config = {
-        "policy": {"model": str(tiny_policy_dir), "max_new_tokens": 12, "seed": 3},
+        "policy": {"model_name": str(tiny_policy_dir), "max_new_tokens": 12, "seed": 3},
         "data": {"path": "prompts.jsonl", "columns": {"metadata": "metadata"}},
         "envs": {
             "math": {"name": "math", "config": {"num_workers": 1}},

@@ -8,8 +8,7 @@ of the model.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,7 +50,7 @@ class HfGeneration(GenerationInterface):
     instance repeats the same calls exactly, and later calls draw new samples.
 
     Attributes:
-        config: the validated :class:`HfGenerationConfig`.
+        config: the validated :class:`HfGenerationConfig` (given as one or as a mapping).
         tokenizer: the loaded tokenizer (also what the rollout engine tokenizes with).
         model: the loaded model; None when the work runs on Ray actors.
         on_decode_step: None, or a function called after every decode step of in-process
@@ -59,12 +58,13 @@ class HfGeneration(GenerationInterface):
             count; worker actors do not report steps).
     """
 
-    def __init__(self, config: HfGenerationConfig) -> None:
+    def __init__(self, config: HfGenerationConfig | Mapping[str, Any]) -> None:
         from transformers import AutoTokenizer
 
+        if not isinstance(config, HfGenerationConfig):
+            config = HfGenerationConfig.from_mapping(config)
         self.config = config
-        tokenizer_name = config.tokenizer_name or config.model_name  # set by __post_init__
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(tokenizer_name))
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer_name))
         self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
         self.on_decode_step: Callable[[int], None] | None = None
@@ -225,7 +225,7 @@ def _start_workers(config: HfGenerationConfig) -> list[Any]:
         HfGeneration
     )
     workers = [
-        actor_class.remote(dataclasses.replace(config, num_workers=1, seed=config.seed + rank))
+        actor_class.remote(config.model_copy(update={"num_workers": 1, "seed": config.seed + rank}))
         for rank in range(config.num_workers)
     ]
     try:

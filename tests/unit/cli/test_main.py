@@ -112,17 +112,17 @@ def test_run_config_errors_name_dotted_keys(tmp_path, tiny_policy_dir, capsys):
     (tmp_path / "d.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n{"question": "2+2?"}\n')
     config = tmp_path / "run.yaml"
     config.write_text(
-        f"policy: {{model: {tiny_policy_dir}, tempreature: 2}}\n"
+        f"policy: {{model_name: {tiny_policy_dir}, tempreature: 2}}\n"
         "data: {path: d.jsonl}\nenvs: {math: {name: math}}\nrollout: {max_turns: four}\n"
     )
     assert main(["run", str(config)]) == 2
     err = capsys.readouterr().err
     assert "policy.tempreature: unknown option. Did you mean 'temperature'?" in err
-    assert "rollout.max_turns: expected int, got 'four'" in err
+    assert "rollout.max_turns: expected int, got str ('four')" in err
     fixed = ["policy.tempreature=null", "rollout.max_turns=2"]
     assert main(["run", str(config), *fixed]) == 2
     assert "policy.tempreature: unknown option" in capsys.readouterr().err  # null is a value too
-    config.write_text(f"policy: {{model: {tiny_policy_dir}}}\ndata: {{path: d.jsonl}}\n"
+    config.write_text(f"policy: {{model_name: {tiny_policy_dir}}}\ndata: {{path: d.jsonl}}\n"
                       "envs: {math: {name: math}}\n")  # fmt: skip
     assert main(["run", str(config)]) == 2
     assert "data.columns.prompt: no column 'prompt' in the dataset (columns: question, answer)" in (
@@ -176,14 +176,14 @@ def no_folder(key, value):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rollout.max_turns=x", "rollout.max_turns: expected int, got 'x'\n"),
-        ("policy.model=/nonexistent", None),
-        ("policy.tokenizer=./no/such/tokenizer", None),
+        ("rollout.max_turns=x", "rollout.max_turns: expected int, got str ('x')\n"),
+        ("policy.model_name=/nonexistent", None),
+        ("policy.tokenizer_name=./no/such/tokenizer", None),
         ("envs.reward_model.config.model_name=~/nonexistent", None),
         (
-            "policy.model=bad..name",
-            f"policy.model: 'bad..name' is neither an existing folder nor a valid {HUB_RULES}. "
-            f"Set policy.model to {MODEL_FIX}\n",
+            "policy.model_name=bad..name",
+            f"policy.model_name: 'bad..name' is neither an existing folder nor a valid "
+            f"{HUB_RULES}. Set policy.model_name to {MODEL_FIX}\n",
         ),
         (
             "envs.reward_model.config.checkpoint_path=/nonexistent.safetensors",
@@ -225,10 +225,12 @@ def test_prompts_longer_than_max_seq_len_fail_before_ray(tmp_path):
 
 
 def test_a_hub_id_that_cannot_be_loaded_is_one_line_before_ray():
-    status_and_modules, err = run_demo("policy.model=org/never-cached", env={"HF_HUB_OFFLINE": "1"})
+    status_and_modules, err = run_demo(
+        "policy.model_name=org/never-cached", env={"HF_HUB_OFFLINE": "1"}
+    )
     assert err.startswith(
-        "envloop run: error: policy.model: Tokenizer 'org/never-cached' could not be loaded from "
-        "the hub (or its local cache): "
+        "envloop run: error: policy.model_name: Tokenizer 'org/never-cached' could not be loaded "
+        "from the hub (or its local cache): "
     )
     assert err.count("\n") == 1 and "Traceback" not in err
     assert status_and_modules == ["1", "torch", "transformers"]  # no ray
@@ -237,7 +239,7 @@ def test_a_hub_id_that_cannot_be_loaded_is_one_line_before_ray():
 def test_run_overrides_may_follow_its_options(capsys):
     assert main(["run", DEMO, "--quiet", "rollout.max_turns=x"]) == 2
     assert capsys.readouterr().err == (
-        "envloop run: invalid run config: rollout.max_turns: expected int, got 'x'\n"
+        "envloop run: invalid run config: rollout.max_turns: expected int, got str ('x')\n"
     )
     assert main(["run", DEMO, "--quiet", "--bogus"]) == 2
     assert capsys.readouterr().err.endswith("envloop: error: unrecognized arguments: --bogus\n")

@@ -42,7 +42,7 @@ def test_fields_defaults_and_comments():
     )
     assert env_config_fields(_Env) == [
         EnvConfigField("size", "int", None, "the size"),
-        EnvConfigField("inner", "_Inner", None, "nested options"),
+        EnvConfigField("inner", "mapping", None, "nested options"),
         EnvConfigField("note", "str", None, ""),
     ]
 

@@ -11,7 +11,7 @@ from envloop.models.generation.hf_generation import HfGenerationConfig
 
 def test_unknown_keys_and_bad_values_together():
     with pytest.raises(ConfigError) as info:
-        RolloutOptions.from_kwargs(
+        RolloutOptions.from_mapping(
             {"observation_fromat": "raw", "on_env_error": "ignore", "env_max_retries": -1}
         )
     assert info.value.problems == [
@@ -24,17 +24,17 @@ def test_unknown_keys_and_bad_values_together():
 
 def test_missing_required_field_is_named():
     with pytest.raises(ConfigError) as info:
-        HfGenerationConfig.from_dict({"seed": 1, "colour": "red"})
+        HfGenerationConfig.from_mapping({"seed": 1, "colour": "red"})
     assert info.value.problems == [
         "model_name: required",
         "colour: unknown option. Known: "
-        + ", ".join(f for f in HfGenerationConfig.__dataclass_fields__)
+        + ", ".join(f for f in HfGenerationConfig.model_fields)
         + ".",
     ]
 
 
 def test_valid_mapping_builds_the_config():
-    assert RolloutOptions.from_kwargs({"env_step_timeout_s": 2}).env_step_timeout_s == 2
+    assert RolloutOptions.from_mapping({"env_step_timeout_s": 2}).env_step_timeout_s == 2
 
 
 def test_config_error_survives_pickling():

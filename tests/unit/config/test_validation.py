@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import Field
@@ -10,6 +10,7 @@ from typing_extensions import TypedDict
 
 from envloop.config.errors import ConfigError
 from envloop.config.validation import (
+    NonEmptyStr,
     config_problems,
     declared_defaults,
     declared_fields,
@@ -84,3 +85,33 @@ def test_declarations_are_read_back():
     assert fields["weights"].description == "" and not fields["weights"].required
     assert declared_defaults(Limits) == {"cpu_s": 10}
     assert declared_defaults(Options)["weights"] == {}  # from its factory
+
+
+class Named(TypedDict, total=False):
+    name: NonEmptyStr
+
+
+class Unions(TypedDict, total=False):
+    tokenizer: str | dict[str, Any] | None
+    label: NonEmptyStr | int
+    source: str | Named
+    budget: Annotated[int, Field(ge=1)] | str
+
+
+@pytest.mark.parametrize(
+    ("config", "problems"),
+    [
+        ({"tokenizer": 3}, ["tokenizer: expected str | dict | None, got int (3)"]),
+        ({"label": ""}, ["label: must have at least 1 character, got ''"]),
+        ({"source": {"name": "", "x": 1}},
+         ["source.name: must have at least 1 character, got ''",
+          "source.x: unknown option. Known: name."]),
+        ({"source": 3}, ["source: expected str | a mapping, got int (3)"]),
+        ({"budget": 0}, ["budget: must be >= 1, got 0"]),
+        ({"budget": 1.5}, ["budget: expected int | str, got float (1.5)"]),
+    ],
+)  # fmt: skip
+def test_a_union_reports_the_member_the_value_fits_or_else_the_whole_union(config, problems):
+    """A value with one member's type that fails inside it gets that member's problems only;
+    a value of no member's type gets one line naming every member."""
+    assert config_problems(Unions, config) == problems

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jinja2
 import pytest
+import yaml
 from jinja2 import meta
 
 from envloop.report.page import (
@@ -161,7 +162,7 @@ def test_summary_numbers_match_the_run(report):
     kv = page.kv()
     for key, value in {**metrics["rollout"], **metrics["envs"]["math"]}.items():
         assert kv[key] == fmt(value)
-    assert kv["wall_time_s"] == "12.5" and kv["policy.model"] == "bundled:policy"
+    assert kv["wall_time_s"] == "12.5" and kv["policy.model_name"] == "bundled:policy"
     assert kv["rollout.max_turns"] == "4" and kv["rollout.observation_format"] == "chat_template"
     per_task = {task: fmt(stats["mean_reward"]) for task, stats in metrics["per_task"].items()}
     assert page.tiles() == [
@@ -219,7 +220,7 @@ def evil_run() -> tuple[list[dict], dict, dict]:
     records[7]["task"] = EVIL
     records[0]["messages"][0]["content"] = EVIL
     config = fixture_config()
-    config["policy"]["model"] = config["data"]["path"] = EVIL
+    config["policy"]["model_name"] = config["data"]["path"] = EVIL
     config["envs"][EVIL] = {"name": EVIL, "config": {"k": EVIL}}
     metrics = fixture_metrics(records)
     metrics["rollout"][EVIL] = 1.5
@@ -240,7 +241,7 @@ def test_user_text_is_escaped_by_the_templates_everywhere():
     assert [row[0] for row in page.tables[0][1:]][3] == EVIL  # the task table
     assert f"{EVIL} reward" in page.texts[".chart-title"]
     kv = page.kv()
-    assert kv["policy.model"] == kv["data.path"] == kv["acc/" + EVIL] == EVIL
+    assert kv["policy.model_name"] == kv["data.path"] == kv["acc/" + EVIL] == EVIL
     assert kv[EVIL] == "1.5"
     envs_table = page.tables[2]
     assert envs_table[0] == ["task", "environment", "config"]
@@ -324,6 +325,16 @@ def test_trajectory_data_keeps_every_turn(report):
     assert [m["reward"] for m in puzzle["messages"]] == [None, None, 0.0, None, 1.0]
     assert puzzle["tokens"] == sum(m["num_tokens"] for m in records[4]["messages"]) == 137
     assert data["samples"][5]["error"] == records[5]["error"]
+
+
+def test_a_run_directory_from_before_policy_model_name_shows_its_model(tmp_path):
+    run = write_run_dir(tmp_path / "old")
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["policy"]["model"] = config["policy"].pop("model_name")  # the config's old key
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    page = Page(build_report(run).read_text(encoding="utf-8"))
+    assert page.texts[".subtitle"] == ["8 samples · 3 tasks · policy bundled:policy"]
+    assert page.kv()["policy.model"] == "bundled:policy" and "policy.model_name" not in page.kv()
 
 
 def test_report_without_config_or_metrics(tmp_path):

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import subprocess
 import sys
 import typing
+from typing import Annotated, Literal
 
 import pytest
+from pydantic import Field
 
+from envloop.config.declarations import reference_rows
 from envloop.config.errors import ConfigError
-from envloop.config.schema import reference_rows
+from envloop.config.validation import Config
 from envloop.environments.registry import register_env
 from envloop.run.config import (
     RunConfig,
@@ -22,7 +24,11 @@ from envloop.run.config import (
     load_run_config,
 )
 
-MINIMAL = "data: {path: prompts.jsonl}\nenvs: {math: {name: math}}\n"
+MINIMAL = """\
+policy: {model_name: bundled:policy}
+data: {path: prompts.jsonl}
+envs: {math: {name: math}}
+"""
 
 
 @pytest.fixture
@@ -45,11 +51,16 @@ def test_minimal_config_gets_every_default(config_file):
     config = load_run_config(config_file)
     resolved = config.to_dict()
     assert list(resolved) == ["policy", "data", "envs", "rollout", "ray", "output"]
-    assert resolved["policy"]["model"] == "bundled:policy"
+    assert resolved["policy"] == {
+        "model_name": "bundled:policy", "tokenizer_name": "bundled:policy", "device": "cpu",
+        "dtype": "float32", "temperature": 1.0, "top_p": 1.0, "top_k": None,
+        "max_new_tokens": 512, "micro_batch_size": 32, "seed": 0, "num_workers": 1,
+        "worker_num_cpus": 1.0, "worker_num_gpus": 0.0, "cpu_threads": 1, "backend": "hf",
+    }  # fmt: skip
     assert resolved["rollout"] == {
-        "max_seq_len": 512, "max_turns": 4, "generations_per_prompt": 1, "batch_size": 64,
-        "mode": "sync", "observation_format": "chat_template", "on_env_error": "record",
-        "env_step_timeout_s": None, "greedy": False,
+        "observation_format": "raw", "env_step_timeout_s": None, "on_env_error": "record",
+        "env_max_retries": 1, "max_seq_len": 512, "max_turns": 4, "generations_per_prompt": 1,
+        "batch_size": 64, "mode": "sync", "greedy": False,
     }  # fmt: skip
     assert resolved["data"]["columns"] == {
         "prompt": "prompt", "ground_truth": "ground_truth", "task": "task",
@@ -100,17 +111,17 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
         config_file,
         ["policy.tempreature=2", "rollout.max_turns=four", "rollout.batch_size=0",
          "data.columns.prompt=7", "rollout.mode=async", "policy.device=gpu",
-         "policy.model=bundled:nothing", *environments],
+         "policy.model_name=bundled:nothing", *environments],
     )  # fmt: skip
     assert problems == [
+        "policy.device: 'gpu' is not one of cpu, cuda, auto. Did you mean 'cpu'?",
         "policy.tempreature: unknown option. Did you mean 'temperature'?",
-        "policy.device: expected one of cpu, cuda, auto, got 'gpu'",
-        "data.columns.prompt: expected str, got 7",
-        "rollout.max_turns: expected int, got 'four'",
-        "rollout.batch_size: 0 must be >= 1",
+        "data.columns.prompt: expected str, got int (7)",
+        "rollout.max_turns: expected int, got str ('four')",
+        "rollout.batch_size: must be >= 1, got 0",
         "rollout.mode: 'async' is not available yet; use sync",
-        "policy.model: No bundled model 'nothing'; the bundled models are policy, reward_model "
-        "(write e.g. 'bundled:policy').",
+        "policy.model_name: No bundled model 'nothing'; the bundled models are policy, "
+        "reward_model (write e.g. 'bundled:policy').",
     ]  # environment configs are checked once the rest is valid (a custom one imports torch)
     problems = problems_of(config_file, environments)
     # Other tests register environments too: the list of known names varies.
@@ -127,8 +138,15 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
 def test_missing_sections_and_files(tmp_path):
     path = tmp_path / "run.yaml"
     problems = problems_of(path, text="policy: {model: m}\nray: 3\n")
-    assert problems == ["data.path: required", "envs: required", "ray: expected a mapping, got 3"]
-    problems = problems_of(path, text="data: {path: nowhere.jsonl}\nenvs: {}\n")
+    assert problems == [
+        "policy.model_name: required",
+        "policy.model: unknown option. Did you mean 'model_name'?",  # its earlier name
+        "data: required",
+        "envs: required",
+        "ray: expected a mapping, got int (3)",
+    ]
+    text = "policy: {model_name: bundled:policy}\ndata: {path: nowhere.jsonl}\nenvs: {}\n"
+    problems = problems_of(path, text=text)
     assert problems == [
         "envs: name at least one task, e.g. envs: {math: {name: math}}",
         "data.path: no such file or folder: 'nowhere.jsonl' (relative paths are looked up in "
@@ -201,7 +219,9 @@ print("heavy:", *[m for m in ("torch", "ray", "transformers", "math_verify", "sy
 
 def test_builtin_environment_configs_are_checked_without_heavy_imports(config_file):
     envs = {name: {"name": name, "config": bad} for name, (bad, _) in BAD_BUILTIN_CONFIGS.items()}
-    config_file.write_text(json.dumps({"data": {"path": "prompts.jsonl"}, "envs": envs}))
+    config_file.write_text(
+        json.dumps({"policy": {"model_name": "m"}, "data": {"path": "prompts.jsonl"}, "envs": envs})
+    )
     child = subprocess.run(
         [sys.executable, "-c", CHECK_WITHOUT_HEAVY_IMPORTS, str(config_file)],
         capture_output=True, text=True, timeout=600,
@@ -218,7 +238,7 @@ def test_custom_environment_config_checks_are_reported(config_file):
     bad = ["envs.t.config.start=0", "envs.u.name=countdown_test", "envs.u.config.start=two"]
     register_env("countdown_test", countdown, overwrite=True)  # no config check: the class's
     assert problems_of(config_file, [f"envs.t.name={countdown}", *bad]) == [
-        "envs.t.config.start: must be at least 1, got 0",
+        "envs.t.config.start: must be >= 1, got 0",
         "envs.u.config.start: expected int, got str ('two')",  # once, though both check types
     ]
     register_env("countdown_test", countdown, overwrite=True, config_check=_start_below_ten)
@@ -259,19 +279,31 @@ def test_reference_rows_cover_every_leaf_field():
 
 
 def _count_leaves(cls) -> int:
-    hints = typing.get_type_hints(cls)
     total = 0
-    for f in dataclasses.fields(cls):
-        hint = hints[f.name]
+    for f in cls.model_fields.values():
+        hint = f.annotation
         inner = typing.get_args(hint)[1] if typing.get_origin(hint) is dict else hint
-        nested = dataclasses.is_dataclass(inner) and isinstance(inner, type)
+        nested = isinstance(inner, type) and issubclass(inner, Config)
         total += _count_leaves(inner) if nested else 1
     return total
 
 
-def test_reference_rows_of_a_small_section():
-    @dataclasses.dataclass(kw_only=True)
-    class Section:
-        size: int = 3
+class Inner(Config):
+    size: int = 3
+    """N of an N x N board (see ``Board``)."""
 
-    assert list(reference_rows(Section, "x")) == [("x.size", "int", "3", "")]
+
+class Section(Config):
+    inner: Inner = Inner()
+    named: Annotated[dict[str, Inner], Field(json_schema_extra={"placeholder": "board"})] = Field(
+        default_factory=dict
+    )
+    kind: Literal["a", "b"] | None = None
+
+
+def test_reference_rows_of_a_small_section():
+    assert list(reference_rows(Section, "x")) == [
+        ("x.inner.size", "int", "3", "N of an N x N board (see `Board`)."),
+        ("x.named.<board>.size", "int", "3", "N of an N x N board (see `Board`)."),
+        ("x.kind", "one of a, b or null", "null", ""),
+    ]

@@ -341,7 +341,20 @@ def test_config_lists_every_bad_field_with_its_fix():
     assert "one of float32, bfloat16, float16" in str(info.value)
 
     with pytest.raises(ConfigError, match=r"(?s)max_new_token: unknown option. Did you mean"):
-        HfGenerationConfig.from_dict({"model_name": "m", "max_new_token": 5})
+        HfGenerationConfig.from_mapping({"model_name": "m", "max_new_token": 5})
+
+
+def test_a_plain_mapping_is_the_same_config_as_the_typed_one(tiny_policy_dir):
+    options = {"model_name": str(tiny_policy_dir), "max_new_tokens": 24, "top_k": 5}
+    assert HfGeneration(options).config == HfGenerationConfig(**options)
+    with pytest.raises(ConfigError) as info:  # checked before anything loads
+        HfGeneration({"model_name": str(tiny_policy_dir), "max_new_token": 24, "top_k": 0})
+    assert info.value.problems == [
+        "top_k: must be >= 1, got 0",
+        "max_new_token: unknown option. Did you mean 'max_new_tokens'?",
+    ]
+    with pytest.raises(ConfigError, match="(?s)HfGenerationConfig:.*expected a mapping, got str"):
+        HfGeneration(str(tiny_policy_dir))
 
 
 def test_tokenizer_without_pad_token_raises_with_the_fix(tiny_policy_dir, tmp_path):
