@@ -65,6 +65,16 @@ class RolloutConfig(RolloutSettings, title="rollout"):
     greedy: bool = False
     """Greedy decoding instead of sampling."""
 
+    def engine_options(self) -> dict[str, Any]:
+        """The engine's options this section sets (every :class:`RolloutSettings` field), as
+        ``run_multi_turn_rollout`` keywords.
+
+        >>> RolloutConfig(env_max_retries=3, max_turns=2).engine_options()
+        {'observation_format': 'raw', 'env_step_timeout_s': None, 'on_env_error': 'record', \
+'env_max_retries': 3}
+        """
+        return {name: getattr(self, name) for name in RolloutSettings.model_fields}
+
     @field_validator("mode")
     @classmethod
     def _mode_is_available(cls, mode: str) -> str:

@@ -128,9 +128,7 @@ def _roll_out(
             part = batch.slice(start, start + rollout.batch_size)
             final, metrics = run_multi_turn_rollout(
                 policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns,
-                greedy=rollout.greedy, observation_format=rollout.observation_format,
-                on_env_error=rollout.on_env_error, env_step_timeout_s=rollout.env_step_timeout_s,
-                on_turn=progress.on_turn,
+                greedy=rollout.greedy, on_turn=progress.on_turn, **rollout.engine_options(),
             )  # fmt: skip
             records = sample_records(final, start)
             writer.add(records)
