@@ -53,3 +53,20 @@ class RolloutOptions(RolloutSettings, title="rollout options"):
     (``samples``, ``samples_done``, ``turns``, ``generated_tokens``, ``generation_s``,
     ``elapsed_s``, ``tokens_per_s``); ``envloop run`` draws its progress line with it. None:
     nothing."""
+
+
+class AsyncRolloutOptions(RolloutOptions, title="async rollout options"):
+    """Keyword options of ``run_async_multi_turn_rollout``: those of
+    ``run_multi_turn_rollout`` and how samples are bounded and coalesced.
+
+    >>> AsyncRolloutOptions.from_mapping({}).coalesce_window_s
+    0.002
+    """
+
+    max_concurrent_samples: Annotated[int, Field(ge=1)] | None = None
+    """Samples in flight at once (admitted in input order as others finish); None: all."""
+    coalesce_window_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.002
+    """How long an idle stage waits for more samples before it calls the policy or an
+    environment, so that samples arriving close together share one batched call."""
+    max_coalesced_samples: Annotated[int, Field(ge=1)] = 256
+    """Most samples in one coalesced generation or environment call."""

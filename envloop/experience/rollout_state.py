@@ -105,6 +105,16 @@ class RolloutState:
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
+def check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
+    problems = []
+    if not isinstance(max_seq_len, int) or max_seq_len < 1:
+        problems.append(f"max_seq_len must be a positive int, got {max_seq_len!r}")
+    if not isinstance(max_rollout_turns, int) or max_rollout_turns < 0:
+        problems.append(f"max_rollout_turns must be an int >= 0, got {max_rollout_turns!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def build_generation_input(state: RolloutState, active: torch.Tensor) -> BatchedDataDict[Any]:
     """Step 1: the active samples' token rows, stop strings and remaining token budgets."""
     input_ids, input_lengths = state.tokens.rows(active)

@@ -20,6 +20,7 @@ from envloop.data.chat_templates import ObservationRenderer
 from envloop.data.llm_message_utils import get_keys_from_message_log
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import EnvironmentReturn
+from envloop.experience.async_rollouts import FinishedGroup, FinishedSample, RolloutStream
 from envloop.experience.env_dispatch import (
     EnvDispatcher,
     EnvironmentStepError,
@@ -34,11 +35,13 @@ from envloop.experience.rollout_metrics import (
     rollout_progress,
 )
 from envloop.experience.rollout_options import RolloutOptions
+from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
     append_observations,
     append_responses,
     build_generation_input,
+    check_limits,
     record_rewards,
     update_episode_status,
 )
@@ -47,9 +50,13 @@ from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = [
     "EnvironmentStepError",
+    "FinishedGroup",
+    "FinishedSample",
     "RolloutProgress",
+    "RolloutStream",
     "calculate_rewards",
     "generate_responses",
+    "run_async_multi_turn_rollout",
     "run_multi_turn_rollout",
 ]
 
@@ -90,7 +97,7 @@ def run_multi_turn_rollout(
         environment returned).
     """
     opts = RolloutOptions.from_mapping(options)
-    _check_limits(max_seq_len, max_rollout_turns)
+    check_limits(max_seq_len, max_rollout_turns)
     state = RolloutState.start(input_batch, tokenizer, max_seq_len)
     check_tasks_have_envs(state.task_names, task_to_env)
     renderer = (
@@ -113,7 +120,37 @@ def run_multi_turn_rollout(
     finally:
         dispatcher.shutdown()
     max_turns_reached = ~state.done
-    return _final_batch(input_batch, state), rollout_metrics(state, max_turns_reached, timer)
+    return final_rows(input_batch, state), rollout_metrics(state, max_turns_reached, timer)
+
+
+async def run_async_multi_turn_rollout(
+    policy_generation: GenerationInterface,
+    input_batch: BatchedDataDict[Any],
+    tokenizer: Any,
+    task_to_env: dict[str, Any],
+    max_seq_len: int,
+    max_rollout_turns: int = 999999,
+    greedy: bool = False,
+    **options: Any,
+) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+    """:func:`run_multi_turn_rollout` with every sample running its own turn loop: a sample
+    generates, steps its environment and goes on the moment its own previous step is done
+    (see :mod:`envloop.experience.async_rollouts`). Same arguments, outputs and metrics;
+    with greedy decoding and deterministic environments, the same trajectories.
+
+    ``**options`` are those of ``run_multi_turn_rollout`` plus ``max_concurrent_samples``,
+    ``coalesce_window_s`` and ``max_coalesced_samples``
+    (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`). To use samples or
+    GRPO groups as they finish, iterate over a :class:`RolloutStream` instead; this
+    function runs one to its end and returns the batch in input order.
+    """
+    stream = RolloutStream(
+        policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns,
+        greedy, **options,
+    )  # fmt: skip
+    async for _ in stream:
+        pass
+    return stream.final_batch(), stream.metrics()
 
 
 def _run_turn(
@@ -221,38 +258,3 @@ def _merge_env_returns(results: list[GroupResult], n: int) -> EnvironmentReturn:
     if set(components) <= {"reward/scalar"}:
         merged = components.get("reward/scalar", scalar)
     return EnvironmentReturn(observations, metadata, stop_strings, merged, terminateds, answers)
-
-
-def _final_batch(input_batch: BatchedDataDict[Any], state: RolloutState) -> BatchedDataDict[Any]:
-    final = input_batch.copy()
-    final["message_log"] = state.message_logs
-    final["extra_env_info"] = state.metadata
-    final["loss_multiplier"] = _loss_multiplier(input_batch.get("loss_multiplier"), state.failed)
-    final["total_reward"] = state.total_reward
-    final["truncated"] = state.truncated.clone()
-    final["terminated"] = state.terminated.clone()
-    final["num_turns"] = state.turns
-    final["turn_rewards"] = state.turn_rewards
-    final["env_error"] = state.errors
-    for name, totals in state.components.items():
-        final[name] = totals
-    final["reward_components"] = [sorted(names) for names in state.component_names]
-    return final
-
-
-def _loss_multiplier(given: Any, failed: torch.Tensor) -> Any:
-    if given is None:
-        return (~failed).float()
-    if isinstance(given, torch.Tensor):
-        return torch.where(failed, torch.zeros_like(given), given)
-    return [0.0 if f else m for m, f in zip(given, failed.tolist())]
-
-
-def _check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
-    problems = []
-    if not isinstance(max_seq_len, int) or max_seq_len < 1:
-        problems.append(f"max_seq_len must be a positive int, got {max_seq_len!r}")
-    if not isinstance(max_rollout_turns, int) or max_rollout_turns < 0:
-        problems.append(f"max_rollout_turns must be an int >= 0, got {max_rollout_turns!r}")
-    if problems:
-        raise ValueError("; ".join(problems))

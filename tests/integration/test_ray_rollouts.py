@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
 from envloop.distributed.ray_utils import init_ray
 from envloop.environments.registry import create_env, register_env
-from envloop.experience.rollouts import EnvironmentStepError, run_multi_turn_rollout
+from envloop.experience.rollouts import (
+    EnvironmentStepError,
+    run_async_multi_turn_rollout,
+    run_multi_turn_rollout,
+)
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import calc_sample, guess_sample, make_batch, scripted_respond
 from tests.fixtures.envs import CalculatorEnv, GuessNumberEnv
@@ -58,6 +64,33 @@ def test_ray_actors_and_in_process_envs_give_identical_rollouts(ray_session, tin
     assert ray_final["num_turns"].tolist() == [3, 3, 1, 1, 4]
     for key in ("total_turns", "natural_termination_rate", "mean_total_tokens_per_sample"):
         assert ray_metrics[key] == local_metrics[key]
+
+
+def test_async_rollout_through_actors_equals_the_sync_one(ray_session, tiny_tokenizer):
+    actors = {
+        "calc": create_env("test_calc", num_cpus=0),
+        "guess": create_env("test_guess", num_cpus=0),
+        "failing": create_env("test_failing", num_cpus=0),
+    }
+    samples = [*MIXED, {"task": "failing", "prompt": "Anything."}]
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    batch = make_batch(tiny_tokenizer, samples)
+    sync, _ = run_multi_turn_rollout(policy, batch, tiny_tokenizer, actors, 512)
+    final, metrics = asyncio.run(
+        run_async_multi_turn_rollout(policy, batch, tiny_tokenizer, actors, 512)
+    )
+    for log, sync_log in zip(final["message_log"], sync["message_log"], strict=True):
+        assert [(m["role"], m["content"]) for m in log] == [
+            (m["role"], m["content"]) for m in sync_log
+        ]
+        assert torch.equal(
+            torch.cat([m["token_ids"] for m in log]), torch.cat([m["token_ids"] for m in sync_log])
+        )
+    assert final["num_turns"].tolist() == [3, 3, 1, 1, 4, 1]
+    assert final["total_reward"].tolist() == sync["total_reward"].tolist()
+    assert final["extra_env_info"] == sync["extra_env_info"]
+    assert final["env_error"][5].startswith("env failing.step raised:")
+    assert metrics["env_error_rate"] == pytest.approx(1 / 6)
 
 
 def test_failing_actor_fails_only_its_samples(ray_session, tiny_tokenizer):

@@ -1,0 +1,302 @@
+"""The async engine: every sample runs its own turn loop (SPEC §7), built from the same steps
+as the sync engine.
+
+A sample generates, steps its environment, takes its observation and generates again the
+moment its own previous step is done; nothing waits for the slowest sample of a batch.
+Samples that reach a stage close together share one call: the generation stage and each
+task's environment stage wait ``coalesce_window_s`` when idle, then take up to
+``max_coalesced_samples`` waiting samples into one batched call. The steps that update the
+state are those of :mod:`envloop.experience.rollout_state`, applied to the samples of each
+call, so a sample's turns are computed exactly as in ``run_multi_turn_rollout``.
+
+Generation runs one call at a time (a policy's sampling state is not shared between
+threads); a backend that overrides ``generate_async`` hands each sample on as soon as it
+finishes. Environment calls run concurrently, several per task when samples arrive while a
+call is under way, each in a worker thread (the dispatcher's Ray waits and in-process steps
+never block the event loop), with the sync engine's timeouts, retries, contract checks and
+``on_env_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from envloop.data.chat_templates import ObservationRenderer
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.env_dispatch import EnvDispatcher, check_tasks_have_envs
+from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics, rollout_progress
+from envloop.experience.rollout_options import AsyncRolloutOptions
+from envloop.experience.rollout_results import final_rows
+from envloop.experience.rollout_state import (
+    RolloutState,
+    append_observations,
+    append_responses,
+    build_generation_input,
+    check_limits,
+    record_rewards,
+    update_episode_status,
+)
+from envloop.models.generation.interfaces import GenerationInterface
+
+__all__ = ["FinishedGroup", "FinishedSample", "RolloutStream"]
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """One sample whose rollout ended: its position in the input batch and its final row
+    (a one-sample batch with the columns ``run_multi_turn_rollout`` returns)."""
+
+    index: int
+    batch: BatchedDataDict[Any]
+
+
+@dataclass(frozen=True)
+class FinishedGroup:
+    """A GRPO group whose last member ended: its members' input positions (ascending) and
+    their final rows, in that order."""
+
+    indices: list[int]
+    batch: BatchedDataDict[Any]
+
+
+class RolloutStream:
+    """A rollout whose samples are yielded as they finish.
+
+    ``async for sample in RolloutStream(...)`` yields a :class:`FinishedSample` per sample,
+    in completion order; ``stream.groups(group_size)`` yields each :class:`FinishedGroup` of
+    ``group_size`` consecutive samples (the generations of one prompt, as
+    ``repeat_interleave`` lays them out) once its last member finishes. A stream runs once;
+    afterwards :meth:`final_batch` and :meth:`metrics` give what
+    ``run_multi_turn_rollout`` returns. Arguments and options are those of
+    ``run_async_multi_turn_rollout``.
+    """
+
+    def __init__(
+        self,
+        policy_generation: GenerationInterface,
+        input_batch: BatchedDataDict[Any],
+        tokenizer: Any,
+        task_to_env: dict[str, Any],
+        max_seq_len: int,
+        max_rollout_turns: int = 999999,
+        greedy: bool = False,
+        **options: Any,
+    ) -> None:
+        self.options = AsyncRolloutOptions.from_mapping(options)
+        check_limits(max_seq_len, max_rollout_turns)
+        self.input_batch = input_batch
+        self.state = RolloutState.start(input_batch, tokenizer, max_seq_len)
+        check_tasks_have_envs(self.state.task_names, task_to_env)
+        self.timer = PhaseTimer()
+        self._engine = _Engine(
+            self.state, policy_generation, tokenizer, task_to_env, max_rollout_turns, greedy,
+            self.options, self.timer,
+        )  # fmt: skip
+        self._started = False
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[FinishedSample]:
+        return self._samples()
+
+    async def groups(self, group_size: int) -> AsyncIterator[FinishedGroup]:
+        """Each group of ``group_size`` consecutive samples as soon as its last member ends,
+        in completion order."""
+        if not isinstance(group_size, int) or group_size < 1 or self.state.size % group_size:
+            raise ValueError(
+                f"group_size must be a positive int dividing the batch of {self.state.size} "
+                f"samples (generations per prompt), got {group_size!r}"
+            )
+        left: dict[int, int] = {}
+        async for sample in self._samples():
+            group = sample.index // group_size
+            left[group] = left.get(group, group_size) - 1
+            if left[group] == 0:
+                indices = list(range(group * group_size, (group + 1) * group_size))
+                yield FinishedGroup(indices, self._rows(indices))
+
+    def final_batch(self) -> BatchedDataDict[Any]:
+        """Every sample's final row, in input order (once the stream has run)."""
+        self._require_finished()
+        return final_rows(self.input_batch, self.state)
+
+    def metrics(self) -> dict[str, Any]:
+        """The rollout's metrics, as ``run_multi_turn_rollout`` reports them."""
+        self._require_finished()
+        return rollout_metrics(self.state, ~self.state.done, self.timer)
+
+    async def _samples(self) -> AsyncIterator[FinishedSample]:
+        if self._started:
+            raise RuntimeError("a RolloutStream runs once; start a new one for another rollout")
+        self._started = True
+        async for index in self._engine.run():
+            yield FinishedSample(index, self._rows([index]))
+        self._finished = True
+
+    def _rows(self, indices: list[int]) -> BatchedDataDict[Any]:
+        return final_rows(self.input_batch, self.state, indices)
+
+    def _require_finished(self) -> None:
+        if not self._finished:
+            raise RuntimeError("the stream has not run to its end yet; iterate over it first")
+
+
+class _Engine:
+    """The stages of an async rollout and the queues between them."""
+
+    def __init__(
+        self,
+        state: RolloutState,
+        policy: GenerationInterface,
+        tokenizer: Any,
+        task_to_env: dict[str, Any],
+        max_turns: int,
+        greedy: bool,
+        options: AsyncRolloutOptions,
+        timer: PhaseTimer,
+    ) -> None:
+        self.state, self.policy, self.tokenizer = state, policy, tokenizer
+        self.max_turns, self.greedy, self.options, self.timer = max_turns, greedy, options, timer
+        self.renderer = (
+            ObservationRenderer(tokenizer)
+            if options.observation_format == "chat_template"
+            else None
+        )
+        self.dispatcher = EnvDispatcher(
+            task_to_env, options.env_step_timeout_s, options.on_env_error, options.env_max_retries
+        )
+        self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
+
+    async def run(self) -> AsyncIterator[int]:
+        """Run every sample to its end; yields each sample's index as it finishes."""
+        self.finished: asyncio.Queue[int | BaseException] = asyncio.Queue()
+        self.waiting = deque(range(self.state.size))  # not yet admitted, in input order
+        self.in_flight, self.tasks = 0, set()
+        self.generation = _Stage(self._generate, self.options, self._spawn, serial=True)
+        self.env_stages = {
+            task: _Stage(self._step_env, self.options, self._spawn, serial=False)
+            for task in dict.fromkeys(self.state.task_names)
+        }
+        self._admit()
+        try:
+            for _ in range(self.state.size):
+                item = await self.finished.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            self.dispatcher.shutdown()
+
+    def _admit(self) -> None:
+        limit = self.options.max_concurrent_samples or self.state.size
+        while self.waiting and self.in_flight < limit:
+            i = self.waiting.popleft()
+            self.in_flight += 1
+            self._next_turn(i)
+
+    def _next_turn(self, i: int) -> None:
+        if bool(self.state.done[i]) or int(self.state.turns[i]) >= self.max_turns:
+            self.in_flight -= 1
+            self.finished.put_nowait(i)
+            self._admit()
+        else:
+            self.generation.add(i)
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self.tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Future[None]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.finished.put_nowait(task.exception())  # type: ignore[arg-type]
+
+    async def _generate(self, samples: list[int]) -> None:
+        """Generate for ``samples`` (SPEC §7 steps 1-2); each goes on to its environment as
+        soon as its response is appended."""
+        state, active = self.state, torch.tensor(samples, dtype=torch.long)
+        with self.timer.phase("flatten"):
+            gen_input = build_generation_input(state, active)
+        with self.timer.phase("generation"):
+            if not self.streams_outputs:
+                output = await asyncio.to_thread(self.policy.generate, gen_input, self.greedy)
+                self._take_responses(active, gen_input, output)
+                return
+            async for j, output in self.policy.generate_async(gen_input, greedy=self.greedy):
+                rows = active[j : j + 1]
+                self._take_responses(rows, gen_input.select_indices([j]), output)
+
+    def _take_responses(
+        self, active: torch.Tensor, gen_input: BatchedDataDict[Any], output: Any
+    ) -> None:
+        with self.timer.phase("gen_bookkeeping"):
+            responses = append_responses(self.state, active, gen_input, output, self.tokenizer)
+        for i, eos in zip(active.tolist(), responses.ended_with_eos):
+            self.env_stages[self.state.task_names[i]].add(i, eos)
+
+    async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
+        """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each
+        on to its next turn or out."""
+        state, task = self.state, self.state.task_names[samples[0]]
+        with self.timer.phase("env_step"):
+            results = await asyncio.to_thread(
+                self.dispatcher.step, {task: samples}, state.env_views, state.metadata
+            )
+        with self.timer.phase("rewards_and_status"):
+            record_rewards(state, results)
+        with self.timer.phase("obs_tokenization"):
+            eos = dict(zip(samples, ended_with_eos))
+            append_observations(state, results, eos, self.tokenizer, self.renderer)
+        with self.timer.phase("rewards_and_status"):
+            update_episode_status(state, results)
+        if self.options.on_turn is not None:
+            self.options.on_turn(rollout_progress(state, self.timer))
+        for i in samples:
+            self._next_turn(i)
+
+
+class _Stage:
+    """Samples waiting for one kind of call. When idle, a stage waits ``coalesce_window_s``
+    for more, then calls ``work`` on up to ``max_coalesced_samples`` of them (with the
+    values they were added with). A ``serial`` stage runs one call at a time, and samples
+    that arrive during a call go into the next; other stages start a call per batch."""
+
+    def __init__(
+        self,
+        work: Callable[..., Awaitable[None]],
+        options: AsyncRolloutOptions,
+        spawn: Callable[[Awaitable[None]], None],
+        *,
+        serial: bool,
+    ) -> None:
+        self.work, self.options, self.spawn, self.serial = work, options, spawn, serial
+        self.waiting: list[tuple[Any, ...]] = []
+        self.scheduled = False
+
+    def add(self, *item: Any) -> None:
+        self.waiting.append(item)
+        if not self.scheduled:
+            self.scheduled = True
+            self.spawn(self._drain())
+
+    async def _drain(self) -> None:
+        await asyncio.sleep(self.options.coalesce_window_s)
+        try:
+            while self.waiting:
+                batch = self.waiting[: self.options.max_coalesced_samples]
+                del self.waiting[: len(batch)]
+                call = self.work(*[list(column) for column in zip(*batch)])
+                if self.serial:
+                    await call
+                else:
+                    self.spawn(call)
+        finally:
+            self.scheduled = False
