@@ -50,7 +50,10 @@ def declared_fields(spec: type) -> list[DeclaredField]:
     """Every field of ``spec`` (a TypedDict or a pydantic model such as a
     :class:`~envloop.config.validation.Config`), in declaration order."""
     if isinstance(spec, type) and issubclass(spec, BaseModel):
-        return [_declared(name, f.annotation, f, f.is_required()) for name, f in _fields(spec)]
+        return [
+            _declared(name, f.annotation, f, f.is_required())
+            for name, f in spec.model_fields.items()
+        ]
     hints = typing.get_type_hints(spec, include_extras=True)
     required: frozenset[str] = getattr(spec, "__required_keys__", frozenset())
     return [
@@ -137,10 +140,6 @@ def markdown_text(docstring: str) -> str:
     text = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"`\1`", docstring)
     text = re.sub(r":\w+:`([^`]+)`", r"`\1`", text)
     return " ".join(text.replace("``", "`").split())
-
-
-def _fields(spec: type[BaseModel]) -> Iterator[tuple[str, FieldInfo]]:
-    return iter(spec.model_fields.items())
 
 
 def _declared(name: str, hint: Any, info: FieldInfo | None, required: bool) -> DeclaredField:

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from envloop.data.chat_templates import ObservationRenderer
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import EnvDispatcher, check_tasks_have_envs
 from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics, rollout_progress
@@ -35,12 +34,11 @@ from envloop.experience.rollout_options import AsyncRolloutOptions
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
-    append_observations,
     append_responses,
     build_generation_input,
     check_limits,
-    record_rewards,
-    update_episode_status,
+    observation_renderer,
+    take_env_results,
 )
 from envloop.models.generation.interfaces import GenerationInterface
 
@@ -162,14 +160,8 @@ class _Engine:
     ) -> None:
         self.state, self.policy, self.tokenizer = state, policy, tokenizer
         self.max_turns, self.greedy, self.options, self.timer = max_turns, greedy, options, timer
-        self.renderer = (
-            ObservationRenderer(tokenizer)
-            if options.observation_format == "chat_template"
-            else None
-        )
-        self.dispatcher = EnvDispatcher(
-            task_to_env, options.env_step_timeout_s, options.on_env_error, options.env_max_retries
-        )
+        self.renderer = observation_renderer(tokenizer, options.observation_format)
+        self.dispatcher = EnvDispatcher.from_options(task_to_env, options)
         self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
 
     async def run(self) -> AsyncIterator[int]:
@@ -250,13 +242,8 @@ class _Engine:
             results = await asyncio.to_thread(
                 self.dispatcher.step, {task: samples}, state.env_views, state.metadata
             )
-        with self.timer.phase("rewards_and_status"):
-            record_rewards(state, results)
-        with self.timer.phase("obs_tokenization"):
-            eos = dict(zip(samples, ended_with_eos))
-            append_observations(state, results, eos, self.tokenizer, self.renderer)
-        with self.timer.phase("rewards_and_status"):
-            update_episode_status(state, results)
+        eos = dict(zip(samples, ended_with_eos))
+        take_env_results(state, results, eos, self.tokenizer, self.renderer, self.timer)
         if self.options.on_turn is not None:
             self.options.on_turn(rollout_progress(state, self.timer))
         for i in samples:

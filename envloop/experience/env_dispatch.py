@@ -76,6 +76,14 @@ class EnvDispatcher:
         self._pool: ThreadPoolExecutor | None = None
         self._started: set[str] = set()
 
+    @classmethod
+    def from_options(cls, task_to_env: dict[str, Any], options: Any) -> EnvDispatcher:
+        """A dispatcher with the timeout, error policy and retries of rollout ``options``
+        (:class:`~envloop.experience.rollout_options.RolloutSettings`)."""
+        return cls(
+            task_to_env, options.env_step_timeout_s, options.on_env_error, options.env_max_retries
+        )
+
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
     ) -> list[GroupResult]:

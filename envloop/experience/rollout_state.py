@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from envloop.experience.turn_steps import (
     split_owned,
     split_responses,
 )
+
+if TYPE_CHECKING:  # rollout_metrics reads RolloutState: no import at run time
+    from envloop.experience.rollout_metrics import PhaseTimer
 
 
 @dataclass
@@ -214,6 +217,29 @@ def update_episode_status(state: RolloutState, results: Sequence[GroupResult]) -
             state.stop_strings[i] = ret.next_stop_strings[j]
         idx = torch.tensor(group.indices, dtype=torch.long)
         state.terminated[idx] |= ret.terminateds.bool()
+
+
+def take_env_results(
+    state: RolloutState,
+    results: Sequence[GroupResult],
+    ended_with_eos: dict[int, bool],
+    tokenizer: Any,
+    renderer: ObservationRenderer | None,
+    timer: PhaseTimer,
+) -> None:
+    """Steps 4-6 for the samples of ``results``: rewards, observations, episode status
+    (each timed in its phase); both engines end a sample's turn with it."""
+    with timer.phase("rewards_and_status"):
+        record_rewards(state, results)
+    with timer.phase("obs_tokenization"):
+        append_observations(state, results, ended_with_eos, tokenizer, renderer)
+    with timer.phase("rewards_and_status"):
+        update_episode_status(state, results)
+
+
+def observation_renderer(tokenizer: Any, observation_format: str) -> ObservationRenderer | None:
+    """What renders observations for ``observation_format`` (None: ``raw``, as is)."""
+    return ObservationRenderer(tokenizer) if observation_format == "chat_template" else None
 
 
 def _add_reward_components(state: RolloutState, idx: torch.Tensor, rewards: Any) -> torch.Tensor:

@@ -38,12 +38,11 @@ from envloop.experience.rollout_options import RolloutOptions
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
-    append_observations,
     append_responses,
     build_generation_input,
     check_limits,
-    record_rewards,
-    update_episode_status,
+    observation_renderer,
+    take_env_results,
 )
 from envloop.experience.turn_steps import assistant_message, split_responses
 from envloop.models.generation.interfaces import GenerationInterface
@@ -100,12 +99,8 @@ def run_multi_turn_rollout(
     check_limits(max_seq_len, max_rollout_turns)
     state = RolloutState.start(input_batch, tokenizer, max_seq_len)
     check_tasks_have_envs(state.task_names, task_to_env)
-    renderer = (
-        ObservationRenderer(tokenizer) if opts.observation_format == "chat_template" else None
-    )
-    dispatcher = EnvDispatcher(
-        task_to_env, opts.env_step_timeout_s, opts.on_env_error, opts.env_max_retries
-    )
+    renderer = observation_renderer(tokenizer, opts.observation_format)
+    dispatcher = EnvDispatcher.from_options(task_to_env, opts)
     timer = PhaseTimer()
     try:
         for _ in range(max_rollout_turns):
@@ -174,13 +169,8 @@ def _run_turn(
         dispatcher.wait_until_started(groups)
     with timer.phase("env_step"):
         results = dispatcher.step(groups, state.env_views, state.metadata)
-    with timer.phase("rewards_and_status"):
-        record_rewards(state, results)
-    with timer.phase("obs_tokenization"):
-        ended_with_eos = dict(zip(active.tolist(), responses.ended_with_eos))
-        append_observations(state, results, ended_with_eos, tokenizer, renderer)
-    with timer.phase("rewards_and_status"):
-        update_episode_status(state, results)
+    ended_with_eos = dict(zip(active.tolist(), responses.ended_with_eos))
+    take_env_results(state, results, ended_with_eos, tokenizer, renderer, timer)
 
 
 def generate_responses(
