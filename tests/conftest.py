@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.chat_templates import build_llama3_tokenizer
+from tests.fixtures.generation import save_untied_policy
 from tests.fixtures.tiny_models import build_tiny_tokenizer, save_tiny_policy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -53,6 +54,12 @@ def chat_tokenizer(request, tiny_tokenizer, llama3_tokenizer):
 def tiny_policy_dir(tmp_path_factory) -> Path:
     """A folder holding a tiny Qwen3 causal LM and its tokenizer (``from_pretrained`` loadable)."""
     return save_tiny_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="session")
+def untied_policy_dir(tiny_policy_dir: Path, tmp_path_factory) -> Path:
+    """The tiny policy with an untied random LM head: greedy output varies and reaches EOS."""
+    return save_untied_policy(tiny_policy_dir, tmp_path_factory.mktemp("untied_policy"))
 
 
 @pytest.fixture(scope="session")

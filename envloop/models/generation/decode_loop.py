@@ -1,26 +1,31 @@
-"""A token-by-token decode loop over a KV cache for one micro-batch of prompts.
+"""The rows a model is decoding together: their KV cache, attention mask and next-token
+logits, one token per row per step.
 
-Prompts are left-padded inside the loop (position ids come from the attention mask, so
-padding changes nothing), one token per unfinished sample is chosen per step, and samples
-that finish are dropped from the batch and from the cache.
+Rows are left-padded (position ids come from the attention mask, so padding changes
+nothing). A row leaves the batch, and the cache, as soon as it finishes, and new rows can
+join between any two steps: their prompts are prefilled on their own, then their cache is
+padded on the left to the batch's width (or the batch's to theirs) and appended. Columns
+that only hold padding are trimmed whenever rows leave, so the width stays that of the
+longest row still running.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from envloop.models.generation.sampling import choose_tokens, sampling_logprobs
-from envloop.models.generation.stop_strings import stop_string_hits
+from envloop.models.generation.stop_strings import StopWatcher
 
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """How tokens are chosen and when a sample stops."""
+    """How tokens are chosen, the same for every row of a backend."""
 
     temperature: float
     """Logits are divided by it before filtering."""
@@ -28,72 +33,167 @@ class DecodeSettings:
     """Keep the ``top_k`` most likely tokens; None keeps all."""
     top_p: float
     """Keep the smallest most-likely set with at least this probability mass."""
-    greedy: bool
-    """Take the argmax of the filtered distribution instead of sampling from it."""
     eos_ids: frozenset[int]
-    """Token ids that end a sample (kept in its output)."""
+    """Token ids that end a row (kept in its output)."""
     pad_id: int
     """Token id used for left padding."""
 
 
 @dataclass
 class SampleResult:
-    """What one sample generated."""
+    """What one row generated."""
 
     tokens: list[int] = field(default_factory=list)
     """Generated token ids, an ending EOS included."""
     logprobs: list[float] = field(default_factory=list)
     """Log-probability of each generated token (see ``sampling_logprobs``)."""
     truncated: bool = False
-    """True when the sample stopped at its token budget rather than at EOS or a stop string."""
+    """True when the row stopped at its token budget rather than at EOS or a stop string."""
 
 
-@torch.no_grad()
-def decode(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[torch.Tensor],
-    budgets: Sequence[int],
-    stop_strings: Sequence[list[str] | None],
-    settings: DecodeSettings,
-    generator: torch.Generator | None,
-    on_step: Callable[[int], None] | None = None,
-) -> list[SampleResult]:
-    """Generate for each 1-D prompt until EOS, one of its stop strings, or its budget.
+@dataclass(eq=False)
+class DecodeRequest:
+    """One prompt to generate for, with what ends it and how its tokens are chosen."""
 
-    A budget of 0 yields no tokens (and ``truncated=True``). ``on_step``, when given, is
-    called after every step with the number of tokens it generated (one per unfinished
-    sample).
-    """
-    results = [SampleResult(truncated=budget == 0) for budget in budgets]
-    active = [i for i, budget in enumerate(budgets) if budget > 0]
-    if not active:
-        return results
-    input_ids, mask = _left_pad([prompts[i] for i in active], settings.pad_id, model.device)
-    cache = DynamicCache(config=model.config)
-    logits = _next_token_logits(model, input_ids, mask, cache)
-    while True:
-        logprobs = sampling_logprobs(logits, settings.temperature, settings.top_k, settings.top_p)
-        tokens, token_logprobs = choose_tokens(logprobs, settings.greedy, generator)
-        _append(results, active, tokens, token_logprobs)
-        if on_step is not None:
-            on_step(len(active))
-        finished = _finished(results, active, budgets, stop_strings, settings.eos_ids, tokenizer)
-        keep = [k for k, done in enumerate(finished) if not done]
-        if not keep:
-            return results
-        if len(keep) < len(active):
-            index = torch.tensor(keep, device=mask.device)
-            cache.batch_select_indices(index)
-            mask, tokens = mask[index], tokens[index]
-            active = [active[k] for k in keep]
-        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
-        logits = _next_token_logits(model, tokens.unsqueeze(-1), mask, cache)
+    prompt: torch.Tensor
+    """1-D token ids."""
+    budget: int
+    """Most tokens to generate (>= 1)."""
+    greedy: bool
+    """Argmax of the filtered distribution instead of a draw from it."""
+    stop: StopWatcher | None = None
+    """Watches the row's text for its stop strings; None: EOS and budget only."""
+    result: SampleResult = field(default_factory=SampleResult)
+    abandoned: bool = False
+    """Set (from any thread) when nobody waits for the result any more: the row is dropped
+    at the next step."""
 
 
-def _left_pad(
-    prompts: Sequence[torch.Tensor], pad_id: int, device: torch.device
+class DecodeBatch:
+    """Rows decoded together, one token each per :meth:`step`."""
+
+    def __init__(self, model: Any, settings: DecodeSettings, generator: torch.Generator) -> None:
+        self.model, self.settings, self.generator = model, settings, generator
+        self.rows: list[DecodeRequest] = []
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros((0, 0), dtype=torch.long)
+        self.logits = torch.zeros((0, 0))
+        self.joinable = True
+        """Whether rows can join while others run: the model's cache holds one full
+        key/value tensor per layer (not sliding windows or recurrent states)."""
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @torch.no_grad()
+    def admit(self, requests: Sequence[DecodeRequest]) -> None:
+        """Prefill ``requests``' prompts and add them as rows; the next :meth:`step` gives
+        them their first token. Only while the batch is empty unless :attr:`joinable`."""
+        if self.rows and not self.joinable:
+            raise RuntimeError("rows cannot join a running batch of this model's cache type")
+        input_ids, mask = _left_pad([r.prompt for r in requests], self.settings.pad_id)
+        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
+        cache = DynamicCache(config=self.model.config)
+        logits = _next_token_logits(self.model, input_ids, mask, cache)
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.logits = list(requests), cache, mask, logits
+            self.joinable = all(type(layer) is DynamicLayer for layer in cache.layers)
+            return
+        assert self.cache is not None
+        width = max(self.mask.shape[1], mask.shape[1])
+        self.mask = _join(self.mask, mask, width)
+        for running, joining in zip(_full_layers(self.cache), _full_layers(cache)):
+            keys, values = _tensors(running)
+            running.keys, running.values = (
+                _join(old, new, width) for old, new in zip((keys, values), _tensors(joining))
+            )
+        self.logits = torch.cat([self.logits, logits])
+        self.rows.extend(requests)
+
+    @torch.no_grad()
+    def step(self) -> list[DecodeRequest]:
+        """Choose each row's next token, drop the rows it finished (returned, in row order)
+        and those abandoned, and run the model on the rest."""
+        s = self.settings
+        logprobs = sampling_logprobs(self.logits, s.temperature, s.top_k, s.top_p)
+        tokens, token_logprobs = _choose(logprobs, [r.greedy for r in self.rows], self.generator)
+        finished, keep = [], []
+        for k, (row, token, logprob) in enumerate(
+            zip(self.rows, tokens.tolist(), token_logprobs.tolist())
+        ):
+            row.result.tokens.append(token)
+            row.result.logprobs.append(logprob)
+            if _ends(row, token, s.eos_ids):
+                finished.append(row)
+            elif not row.abandoned:
+                keep.append(k)
+        self._keep(keep)
+        if self.rows:
+            next_tokens = tokens[torch.tensor(keep, device=tokens.device)].unsqueeze(-1)
+            self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
+            assert self.cache is not None
+            self.logits = _next_token_logits(self.model, next_tokens, self.mask, self.cache)
+        return finished
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` (in order) and trim columns left holding only padding."""
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[k] for k in keep]
+        if not self.rows:
+            self.cache, self.mask, self.logits = None, self.mask[:0], self.logits[:0]
+            return
+        assert self.cache is not None
+        index = torch.tensor(keep, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        if self.joinable:
+            lead = int(self.mask.any(dim=0).int().argmax())
+            if lead:
+                self.mask = self.mask[:, lead:]
+                for layer in _full_layers(self.cache):
+                    keys, values = _tensors(layer)
+                    layer.keys, layer.values = keys[:, :, lead:], values[:, :, lead:]
+
+
+def _full_layers(cache: DynamicCache) -> list[DynamicLayer]:
+    """The layers of a cache that :attr:`DecodeBatch.joinable` found to be full layers."""
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def _tensors(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled layer's keys and values [b, heads, W, d]."""
+    assert layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
+
+
+def _ends(row: DecodeRequest, token: int, eos_ids: frozenset[int]) -> bool:
+    """Whether ``token`` ends ``row``: EOS, a completed stop string or the budget (which
+    marks the row truncated)."""
+    if token in eos_ids:
+        return True
+    if row.stop is not None and row.stop.add(token):
+        return True
+    if len(row.result.tokens) >= row.budget:
+        row.result.truncated = True
+        return True
+    return False
+
+
+def _choose(
+    logprobs: torch.Tensor, greedy: list[bool], generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token: the argmax for greedy rows, a draw for the others."""
+    if all(greedy) or not any(greedy):
+        return choose_tokens(logprobs, greedy[0], generator)
+    tokens, token_logprobs = choose_tokens(logprobs, True, None)
+    sampled = torch.tensor([not g for g in greedy], device=logprobs.device)
+    drawn, drawn_logprobs = choose_tokens(logprobs[sampled], False, generator)
+    tokens[sampled], token_logprobs[sampled] = drawn, drawn_logprobs
+    return tokens, token_logprobs
+
+
+def _left_pad(prompts: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ids [b, W] and attention mask [b, W] (1 at real tokens)."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -101,7 +201,24 @@ def _left_pad(
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt) :] = prompt
         mask[row, width - len(prompt) :] = 1
-    return input_ids.to(device), mask.to(device)
+    return input_ids, mask
+
+
+def _join(running: torch.Tensor, joining: torch.Tensor, width: int) -> torch.Tensor:
+    """Rows of ``running`` then ``joining``, each left-padded to ``width``."""
+    return torch.cat([_pad_left(running, width), _pad_left(joining, width)])
+
+
+def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """``tensor`` with zero columns added on the left of its sequence dimension (the last
+    of a mask [b, W], the third of a cache tensor [b, heads, W, d]) up to ``width``."""
+    dim = 1 if tensor.dim() == 2 else 2
+    missing = width - tensor.shape[dim]
+    if not missing:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def _next_token_logits(
@@ -118,36 +235,3 @@ def _next_token_logits(
         logits_to_keep=1,
     )
     return out.logits[:, -1, :]
-
-
-def _append(
-    results: list[SampleResult],
-    active: list[int],
-    tokens: torch.Tensor,
-    token_logprobs: torch.Tensor,
-) -> None:
-    for sample, token, logprob in zip(active, tokens.tolist(), token_logprobs.tolist()):
-        results[sample].tokens.append(token)
-        results[sample].logprobs.append(logprob)
-
-
-def _finished(
-    results: list[SampleResult],
-    active: list[int],
-    budgets: Sequence[int],
-    stop_strings: Sequence[list[str] | None],
-    eos_ids: frozenset[int],
-    tokenizer: Any,
-) -> list[bool]:
-    """Per active sample, whether its newest token ended it; marks budget stops truncated."""
-    done = [results[i].tokens[-1] in eos_ids for i in active]
-    check = [k for k, i in enumerate(active) if stop_strings[i] and not done[k]]
-    if check:
-        tokens = [results[active[k]].tokens for k in check]
-        stops = [stop_strings[active[k]] or [] for k in check]
-        for k, hit in zip(check, stop_string_hits(tokenizer, tokens, stops)):
-            done[k] = hit
-    for k, i in enumerate(active):
-        if not done[k] and len(results[i].tokens) >= budgets[i]:
-            done[k] = results[i].truncated = True
-    return done

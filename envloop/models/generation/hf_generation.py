@@ -1,21 +1,26 @@
 """``HfGeneration``: a transformers causal LM behind ``GenerationInterface``.
 
 Decoding is our own loop over a KV cache (``decode_loop``), not ``model.generate``, so each
-reported log-probability is exactly that of the distribution its token was drawn from.
-With ``num_workers > 1`` the batch is split across that many Ray actors, each holding a copy
-of the model.
+reported log-probability is exactly that of the distribution its token was drawn from. The
+loop batches continuously (``continuous_batching``): ``generate`` and ``generate_async``
+calls, from any thread, feed one loop, which admits requests whenever a row is free. With
+``num_workers > 1`` the work goes to that many Ray actors (``hf_workers``), each holding a
+copy of the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from concurrent.futures import Future, as_completed
 from typing import Any
 
 import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.bundled import resolve_model
-from envloop.models.generation.decode_loop import DecodeSettings, SampleResult, decode
+from envloop.models.generation.continuous_batching import ContinuousBatcher
+from envloop.models.generation.decode_loop import DecodeRequest, DecodeSettings, SampleResult
 from envloop.models.generation.generation_batches import (
     build_output,
     check_generation_input,
@@ -23,6 +28,7 @@ from envloop.models.generation.generation_batches import (
     sample_budgets,
 )
 from envloop.models.generation.hf_config import HfGenerationConfig
+from envloop.models.generation.hf_workers import WorkerPool
 from envloop.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
@@ -43,11 +49,18 @@ class HfGeneration(GenerationInterface):
     that same distribution and reports its log-probability the same way.
 
     A sample stops at an EOS token (any of the tokenizer's, model config's and generation
-    config's EOS ids; the EOS is kept), when its generated text contains one of its stop
-    strings (checked after every token, so the text ends with the stop string, or a few
+    config's EOS ids; the EOS is kept), when its generated text comes to hold one of its stop
+    strings (watched token by token, so the text ends with the stop string, or a few
     characters past it when the last token runs on; kept), or at its token budget
-    (``truncated=True``). The sampling generator is seeded once, on construction: a fresh
-    instance repeats the same calls exactly, and later calls draw new samples.
+    (``truncated=True``).
+
+    Every call's rows join one decode loop of up to ``micro_batch_size`` rows, which admits
+    waiting rows at every step as others finish (continuous batching), so rows of
+    concurrent ``generate_async`` calls share forward passes. The sampling generator is
+    seeded once, on construction: a fresh instance repeats the same sequence of
+    ``generate`` calls exactly, and later calls draw new samples. Sampled tokens depend on
+    which rows share a step, so concurrent calls are not reproducible; greedy ones are (up
+    to float rounding of batched matmuls).
 
     Attributes:
         config: the validated :class:`HfGenerationConfig` (given as one or as a mapping).
@@ -55,7 +68,7 @@ class HfGeneration(GenerationInterface):
         model: the loaded model; None when the work runs on Ray actors.
         on_decode_step: None, or a function called after every decode step of in-process
             generation with the number of tokens that step generated (e.g. a live token
-            count; worker actors do not report steps).
+            count). It runs on the decode loop's thread; worker actors do not report steps.
     """
 
     def __init__(self, config: HfGenerationConfig | Mapping[str, Any]) -> None:
@@ -68,9 +81,9 @@ class HfGeneration(GenerationInterface):
         self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
         self.on_decode_step: Callable[[int], None] | None = None
-        self._workers: list[Any] = []
+        self._pool: WorkerPool | None = None
         if config.num_workers > 1:
-            self._workers = _start_workers(config)
+            self._pool = WorkerPool.start(HfGeneration, config, self._pad_values())
             return
         self.device = _resolve_device(config.device)
         if self.device.type == "cpu":
@@ -78,29 +91,68 @@ class HfGeneration(GenerationInterface):
         self.model = _load_model(config, self.device)
         self.eos_ids = _eos_token_ids(self.tokenizer, self.model)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        settings = DecodeSettings(
+            config.temperature, config.top_k, config.top_p, self.eos_ids, self.pad_id
+        )
+        self._batcher = ContinuousBatcher(
+            self.model, self.tokenizer, settings, self.generator, config.micro_batch_size,
+            self._count_step,
+        )  # fmt: skip
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         """Generate one response per row (see the class docstring); rows in input order."""
-        if self._workers:
-            return self._generate_on_workers(data, greedy)
-        check_generation_input(data, self.model.get_input_embeddings().num_embeddings)
-        batch = generation_columns(data)
-        size, step = batch["input_ids"].shape[0], self.config.micro_batch_size
-        if size == 0:
-            return build_output(batch["input_ids"], batch["input_lengths"], [], self.pad_id)
-        parts = [
-            self._generate_rows(batch.slice(i, i + step), greedy) for i in range(0, size, step)
-        ]
-        return BatchedDataDict.from_batches(parts, _OUTPUT_PAD_VALUES | {"output_ids": self.pad_id})
+        if self._pool is not None:
+            check_generation_input(data, vocab_size=None)
+            return self._pool.generate(generation_columns(data), greedy)
+        batch, jobs = self._submit(data, greedy)
+        results = [future.result() for _, future in jobs]
+        return build_output(batch["input_ids"], batch["input_lengths"], results, self.pad_id)
+
+    def iter_generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> Iterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Queue every row now, and iterate over ``(row, one-row output)`` as each row
+        finishes (the blocking form of :meth:`generate_async`; in-process only). Closing
+        the iterator early drops the rows still running."""
+        batch, jobs = self._submit(data, greedy)
+        return self._as_finished(batch, jobs)
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row, one-row output)`` as each row finishes. Rows join the running decode
+        loop (or, with workers, the least-loaded worker's) at its next step; the event loop
+        is never blocked."""
+        if self._pool is not None:
+            check_generation_input(data, vocab_size=None)
+            async for item in self._pool.generate_async(generation_columns(data), greedy):
+                yield item
+            return
+        batch, jobs = self._submit(data, greedy)
+        rows = {asyncio.wrap_future(future): row for row, (_, future) in enumerate(jobs)}
+        pending = set(rows)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for future in sorted(done, key=rows.__getitem__):
+                    yield rows[future], self._row_output(batch, rows[future], future.result())
+        finally:
+            _abandon(jobs)
+
+    def decode_stats(self) -> list[dict[str, int]]:
+        """The counters of each decode loop (this process's, or one per worker):
+        ``requests``, ``prefills``, ``decode_steps``, ``joined_running`` (requests admitted
+        while other rows were mid-generation) and ``peak_rows``."""
+        if self._pool is not None:
+            return self._pool.stats()
+        return [self._batcher.stats.as_dict()]
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Put the model (on every worker) in eval mode; weights already sit on the device."""
-        if self._workers:
-            import ray
-
-            return all(ray.get([w.prepare_for_generation.remote() for w in self._workers]))
+        if self._pool is not None:
+            return self._pool.prepare()
         self.model.eval()
         return True
 
@@ -110,56 +162,61 @@ class HfGeneration(GenerationInterface):
 
     def shutdown(self) -> bool:
         """Kill the worker actors and drop the model; the instance is unusable afterwards."""
-        if self._workers:
-            import ray
-
-            for worker in self._workers:
-                ray.kill(worker)
-        self._workers = []
+        if self._pool is not None:
+            self._pool.shutdown()
         self.model = None
         return True
 
-    def _generate_rows(
-        self, batch: BatchedDataDict[GenerationDatumSpec], greedy: bool
-    ) -> BatchedDataDict[GenerationOutputSpec]:
-        """One micro-batch through the decode loop."""
+    def _submit(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> tuple[BatchedDataDict[GenerationDatumSpec], list[tuple[DecodeRequest, Future[Any]]]]:
+        """Check ``data`` and queue its rows on the decode loop, in row order."""
+        check_generation_input(data, self.model.get_input_embeddings().num_embeddings)
+        batch = generation_columns(data)
         input_ids, lengths = batch["input_ids"], batch["input_lengths"]
         prompts = [ids[: int(n)] for ids, n in zip(input_ids, lengths)]
         stops = batch.get("stop_strings") or [None] * len(prompts)
-        results: list[SampleResult] = decode(
-            self.model,
-            self.tokenizer,
-            prompts,
-            sample_budgets(batch, self.config.max_new_tokens),
-            stops,
-            self._decode_settings(greedy),
-            self.generator,
-            self.on_decode_step,
-        )
-        return build_output(input_ids, lengths, results, self.pad_id)
+        budgets = sample_budgets(batch, self.config.max_new_tokens)
+        return batch, self._batcher.submit(prompts, budgets, stops, greedy)
 
-    def _decode_settings(self, greedy: bool) -> DecodeSettings:
-        cfg = self.config
-        return DecodeSettings(
-            cfg.temperature, cfg.top_k, cfg.top_p, greedy, self.eos_ids, self.pad_id
-        )
-
-    def _generate_on_workers(
+    def _stream_rows(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
-    ) -> BatchedDataDict[GenerationOutputSpec]:
-        """Contiguous shards to the workers in parallel, concatenated back in input order."""
-        import ray
+    ) -> Iterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """:meth:`iter_generate` as a generator function (what Ray streams from a worker)."""
+        yield from self.iter_generate(data, greedy)
 
-        check_generation_input(data, vocab_size=None)
-        data = generation_columns(data)
-        shards = data.shard_by_batch_size(len(self._workers), allow_uneven_shards=True)
-        jobs = [(w, s) for w, s in zip(self._workers, shards) if s.size] or [
-            (self._workers[0], data)
-        ]
-        outputs = ray.get([worker.generate.remote(shard, greedy) for worker, shard in jobs])
-        return BatchedDataDict.from_batches(
-            outputs, _OUTPUT_PAD_VALUES | {"output_ids": self.pad_id}
-        )
+    def _as_finished(
+        self,
+        batch: BatchedDataDict[GenerationDatumSpec],
+        jobs: list[tuple[DecodeRequest, Future[Any]]],
+    ) -> Iterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        rows = {future: row for row, (_, future) in enumerate(jobs)}
+        try:
+            for future in as_completed(rows):
+                yield rows[future], self._row_output(batch, rows[future], future.result())
+        finally:
+            _abandon(jobs)
+
+    def _row_output(
+        self, batch: BatchedDataDict[GenerationDatumSpec], row: int, result: SampleResult
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        ids, lengths = batch["input_ids"][row : row + 1], batch["input_lengths"][row : row + 1]
+        return build_output(ids, lengths, [result], self.pad_id)
+
+    def _count_step(self, tokens: int) -> None:
+        if self.on_decode_step is not None:
+            self.on_decode_step(tokens)
+
+    def _pad_values(self) -> dict[str, int | float]:
+        return _OUTPUT_PAD_VALUES | {"output_ids": self.pad_id}
+
+
+def _abandon(jobs: list[tuple[DecodeRequest, Future[Any]]]) -> None:
+    """Stop decoding the rows nobody will read."""
+    for request, future in jobs:
+        if not future.done():
+            request.abandoned = True
+            future.cancel()
 
 
 _OUTPUT_PAD_VALUES: dict[str, int | float] = {"logprobs": 0.0}
@@ -212,26 +269,3 @@ def _eos_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
     if not ids:
         raise ValueError("Neither the tokenizer nor the model config names an EOS token id.")
     return frozenset(ids)
-
-
-def _start_workers(config: HfGenerationConfig) -> list[Any]:
-    """``num_workers`` Ray actors, each an in-process HfGeneration seeded ``seed + rank``.
-
-    Returns once every actor has loaded its model, so a loading error surfaces here.
-    """
-    import ray
-
-    actor_class: Any = ray.remote(num_cpus=config.worker_num_cpus, num_gpus=config.worker_num_gpus)(
-        HfGeneration
-    )
-    workers = [
-        actor_class.remote(config.model_copy(update={"num_workers": 1, "seed": config.seed + rank}))
-        for rank in range(config.num_workers)
-    ]
-    try:
-        ray.get([worker.prepare_for_generation.remote() for worker in workers])
-    except Exception:
-        for worker in workers:
-            ray.kill(worker)
-        raise
-    return workers

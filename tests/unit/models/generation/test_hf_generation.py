@@ -2,64 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
+from tests.fixtures.generation import PROMPTS, generated, make_batch
 
-PROMPTS = [
-    "What is 2 + 3? The answer is 5.",
-    "Use the calculator:",
-    "The quick brown fox jumps over the lazy dog",
-    "<action>up</action>",
-    "Guess the number between 1 and 100.",
-]
 EOS_PROMPT = PROMPTS[0]  # with the untied policy, greedy reaches EOS after 16 tokens
-
-
-@pytest.fixture(scope="module")
-def untied_policy_dir(tiny_policy_dir: Path, tmp_path_factory) -> Path:
-    """The tiny policy with an untied random LM head.
-
-    With tied embeddings the tiny model's greedy output repeats the last prompt token;
-    with this head it varies from step to step and reaches EOS, as a real model's would.
-    """
-    folder = tmp_path_factory.mktemp("untied_policy")
-    model = AutoModelForCausalLM.from_pretrained(tiny_policy_dir)
-    model.config.tie_word_embeddings = False
-    generator = torch.Generator().manual_seed(1)
-    head = torch.randn(model.lm_head.weight.shape, generator=generator) * 0.3
-    model.lm_head.weight = torch.nn.Parameter(head)
-    model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(tiny_policy_dir).save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
 def greedy_gen(untied_policy_dir: Path) -> HfGeneration:
     """Shared by greedy tests only: greedy decoding never draws from the generator."""
     return HfGeneration(HfGenerationConfig(model_name=str(untied_policy_dir), max_new_tokens=24))
-
-
-def make_batch(tokenizer, prompts: list[str], **extra) -> BatchedDataDict:
-    """Right-padded ``input_ids`` [B, L] and ``input_lengths`` [B] for ``prompts``."""
-    encoded = [tokenizer(p).input_ids for p in prompts]
-    width = max(len(e) for e in encoded)
-    padded = [e + [tokenizer.pad_token_id] * (width - len(e)) for e in encoded]
-    return BatchedDataDict(
-        input_ids=torch.tensor(padded, dtype=torch.long),
-        input_lengths=torch.tensor([len(e) for e in encoded]),
-        **extra,
-    )
-
-
-def generated(out: BatchedDataDict, row: int, prompt_len: int) -> list[int]:
-    return out["output_ids"][row, prompt_len : out["unpadded_sequence_lengths"][row]].tolist()
 
 
 @torch.no_grad()
@@ -395,6 +356,10 @@ def test_cpu_generation_sets_this_process_torch_threads(tiny_policy_dir):
 # --- Ray workers -------------------------------------------------------------------------
 
 
+async def collect_async(policy: HfGeneration, batch: BatchedDataDict) -> dict[int, BatchedDataDict]:
+    return {row: output async for row, output in policy.generate_async(batch, greedy=True)}
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_ray_workers_match_in_process_greedy(ray_session, greedy_gen, untied_policy_dir):
@@ -409,7 +374,7 @@ def test_two_ray_workers_match_in_process_greedy(ray_session, greedy_gen, untied
     try:
         assert workers.model is None
         threads = [
-            w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in workers._workers
+            w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in workers._pool.workers
         ]
         assert ray_session.get(threads) == [2, 2]
         assert workers.prepare_for_generation()
@@ -417,8 +382,20 @@ def test_two_ray_workers_match_in_process_greedy(ray_session, greedy_gen, untied
         batch = make_batch(workers.tokenizer, PROMPTS, stop_strings=stops)
         remote = workers.generate(batch, greedy=True)
         local = greedy_gen.generate(batch, greedy=True)
+        before = [stats["requests"] for stats in workers.decode_stats()]
+        streamed = asyncio.run(collect_async(workers, batch))
+        after = [stats["requests"] for stats in workers.decode_stats()]
     finally:
         workers.shutdown()
+    # Least-loaded routing with nothing else outstanding alternates between the workers.
+    assert [a - b for a, b in zip(after, before)] == [3, 2]
+    assert sorted(streamed) == list(range(len(PROMPTS)))
+    for row, output in streamed.items():
+        n = int(local["unpadded_sequence_lengths"][row])
+        assert output["output_ids"][0, :n].tolist() == local["output_ids"][row, :n].tolist()
+        torch.testing.assert_close(
+            output["logprobs"][0, :n], local["logprobs"][row, :n], atol=1e-5, rtol=0
+        )
     for key in ("output_ids", "generation_lengths", "unpadded_sequence_lengths", "truncated"):
         assert torch.equal(remote[key], local[key]), key
     torch.testing.assert_close(remote["logprobs"], local["logprobs"], atol=1e-5, rtol=0)
