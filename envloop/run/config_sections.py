@@ -7,12 +7,17 @@ reads it. Each field's docstring is what the config reference (README) shows.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator
+from pydantic.fields import FieldInfo
 
 from envloop.config.validation import Config, NonEmptyStr
-from envloop.experience.rollout_options import RolloutSettings
+from envloop.experience.rollout_options import (
+    AsyncRolloutOptions,
+    RolloutOptions,
+    RolloutSettings,
+)
 from envloop.models.generation.hf_config import HfGenerationConfig
 
 GROUND_TRUTH_ENVS = ("math", "vlm")
@@ -49,8 +54,49 @@ class EnvConfig(Config, title="environment"):
         return self.name in GROUND_TRUTH_ENVS
 
 
-class RolloutConfig(RolloutSettings, title="rollout"):
-    """The rollout loop: ``run_multi_turn_rollout``'s arguments and options."""
+ASYNC_ONLY_OPTIONS = tuple(
+    name for name in AsyncRolloutOptions.model_fields if name not in RolloutOptions.model_fields
+)
+"""The options only the async engine reads (``max_concurrent_samples``,
+``coalesce_window_s``, ``max_coalesced_samples``)."""
+
+
+def _with_async_options() -> type[RolloutSettings]:
+    """:class:`RolloutSettings` plus :data:`ASYNC_ONLY_OPTIONS`, each as
+    :class:`AsyncRolloutOptions` declares it (type, constraints, default, description), its
+    description noting that only ``mode: async`` reads it."""
+    fields: dict[str, Any] = {}
+    for name in ASYNC_ONLY_OPTIONS:
+        declared = AsyncRolloutOptions.model_fields[name]
+        note = f"{declared.description} Read in ``mode: async`` only."
+        fields[name] = (
+            declared.annotation,
+            FieldInfo.merge_field_infos(declared, description=note),
+        )
+    title = {"title": "rollout options"}
+    return create_model(
+        "RunRolloutSettings", __base__=RolloutSettings, __cls_kwargs__=title, **fields
+    )
+
+
+if TYPE_CHECKING:
+    RunRolloutSettings = RolloutSettings
+else:
+    RunRolloutSettings = _with_async_options()
+"""The engine options a run config can set: those of both engines."""
+
+
+class RolloutConfig(RunRolloutSettings, title="rollout"):
+    """The rollout loop: the engine's arguments and options (``run_multi_turn_rollout``'s,
+    and with ``mode: async`` those of ``run_async_multi_turn_rollout``).
+
+    >>> RolloutConfig(max_concurrent_samples=8)
+    Traceback (most recent call last):
+    ...
+    envloop.config.errors.ConfigError: Invalid rollout:
+      - mode: 'sync' ignores max_concurrent_samples (8), an option of mode async: set mode: \
+async, or leave it out
+    """
 
     max_seq_len: Annotated[int, Field(ge=1)] = 512
     """No sample exceeds this many tokens."""
@@ -60,26 +106,55 @@ class RolloutConfig(RolloutSettings, title="rollout"):
     """Samples per prompt (GRPO groups)."""
     batch_size: Annotated[int, Field(ge=1)] = 64
     """Samples rolled out together."""
-    mode: Literal["sync", "async"] = "sync"
-    """``sync``: batch by batch; ``async``: not yet."""
+    mode: Annotated[Literal["sync", "async"], Field(validate_default=True)] = "sync"
+    """``sync``: the samples of a batch take each turn together. ``async``: each sample of a
+    batch runs its own turn loop, generating again as soon as its own environment step
+    returns (``max_concurrent_samples``, ``coalesce_window_s`` and ``max_coalesced_samples``
+    tune it); the same outputs as ``sync`` (with greedy decoding and deterministic
+    environments, the same trajectories, up to float rounding), and progress after every
+    finished sample."""
     greedy: bool = False
     """Greedy decoding instead of sampling."""
 
     def engine_options(self) -> dict[str, Any]:
-        """The engine's options this section sets (every :class:`RolloutSettings` field), as
-        ``run_multi_turn_rollout`` keywords.
+        """The engine's options this section sets, as keywords of ``run_multi_turn_rollout``
+        (every :class:`RolloutSettings` field) or, with ``mode: async``, of
+        ``run_async_multi_turn_rollout`` (those and :data:`ASYNC_ONLY_OPTIONS`).
 
         >>> RolloutConfig(env_max_retries=3, max_turns=2).engine_options()
         {'observation_format': 'raw', 'env_step_timeout_s': None, 'on_env_error': 'record', \
 'env_max_retries': 3}
+        >>> options = RolloutConfig(mode="async", max_concurrent_samples=8).engine_options()
+        >>> {name: options[name] for name in ASYNC_ONLY_OPTIONS}
+        {'max_concurrent_samples': 8, 'coalesce_window_s': 0.002, 'max_coalesced_samples': 256}
         """
-        return {name: getattr(self, name) for name in RolloutSettings.model_fields}
+        names = [*RolloutSettings.model_fields]
+        if self.mode == "async":
+            names += ASYNC_ONLY_OPTIONS
+        return {name: getattr(self, name) for name in names}
 
     @field_validator("mode")
     @classmethod
-    def _mode_is_available(cls, mode: str) -> str:
+    def _async_options_need_async_mode(cls, mode: str, info: ValidationInfo) -> str:
+        """With ``mode: sync``, an async-only option set to other than its default is an
+        error, not silently ignored (its default is accepted: a sync run's ``config.yaml``
+        lists every option). The options, declared in a base class, are validated before
+        ``mode``: ``info.data`` holds those with valid values."""
         if mode == "async":
-            raise ValueError("'async' is not available yet; use sync")
+            return mode
+        changed = [
+            f"{name} ({info.data[name]!r})"
+            for name in ASYNC_ONLY_OPTIONS
+            if name in info.data
+            and info.data[name] != AsyncRolloutOptions.model_fields[name].get_default()
+        ]
+        if changed:
+            one = len(changed) == 1
+            raise ValueError(
+                f"{mode!r} ignores {' and '.join(changed)}, "
+                f"{'an option' if one else 'options'} of mode async: set mode: async, or "
+                f"leave {'it' if one else 'them'} out"
+            )
         return mode
 
 

@@ -4,26 +4,31 @@ The steps: load and tokenize the prompts, checked against ``rollout.max_seq_len`
 (:mod:`envloop.run.preflight`) -> start (or join) Ray -> start one environment actor per
 task -> load the policy meanwhile -> wait for the actors (each start-up phase timed into
 ``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples at a time
-(progress while generating and after each turn), appending to the rollout files -> each
-environment's ``global_post_process_and_metrics`` -> ``metrics.json``.
+(progress while generating, after each turn and, in ``rollout.mode: async``, after each
+finished sample), appending to the rollout files in sample order -> each environment's
+``global_post_process_and_metrics`` -> ``metrics.json``. Both modes write the same files,
+rows and metrics.
 The command line then prints the summary table and builds ``report.html``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.async_rollouts import RolloutStream
 from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.run.config import RunConfig
-from envloop.run.config_sections import PolicyConfig, RayConfig
+from envloop.run.config_sections import PolicyConfig, RayConfig, RolloutConfig
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
 from envloop.run.metrics import (
     TaskStats,
@@ -76,7 +81,7 @@ def run(
         batch = inputs.rollout_batch(config)  # tokenized before Ray started
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
-        progress = Progress(batch.size, out, quiet)
+        progress = Progress(batch.size, out, quiet, per_sample=config.rollout.mode == "async")
         policy.on_decode_step = progress.on_tokens  # a live token count while it generates
         return _roll_out(config, policy, batch, envs, progress, started, startup)
     finally:
@@ -126,11 +131,7 @@ def _roll_out(
         progress.start()
         for start in range(0, batch.size, rollout.batch_size):
             part = batch.slice(start, start + rollout.batch_size)
-            final, metrics = run_multi_turn_rollout(
-                policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns,
-                greedy=rollout.greedy, on_turn=progress.on_turn, **rollout.engine_options(),
-            )  # fmt: skip
-            records = sample_records(final, start)
+            records, metrics = _roll_out_batch(rollout, policy, part, envs, progress, start)
             writer.add(records)
             progress.update(
                 records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
@@ -147,3 +148,37 @@ def _roll_out(
         }
         writer.write_metrics(metrics)
     return RunResult(Path(config.output.dir), progress.stats, metrics)
+
+
+def _roll_out_batch(
+    rollout: RolloutConfig,
+    policy: HfGeneration,
+    part: BatchedDataDict[Any],
+    envs: dict[str, Any],
+    progress: Progress,
+    first_sample: int,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The sample records (in input order, numbered from ``first_sample``) and rollout
+    metrics of one batch, rolled out in ``rollout.mode``; an async rollout reports each
+    sample to ``progress`` as it finishes."""
+    args = (policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns)
+    options = {"greedy": rollout.greedy, "on_turn": progress.on_turn, **rollout.engine_options()}
+    if rollout.mode == "async":
+        stream = RolloutStream(*args, **options)
+        records = asyncio.run(_streamed_records(stream, first_sample, progress.on_sample))
+        return records, stream.metrics()
+    final, metrics = run_multi_turn_rollout(*args, **options)
+    return sample_records(final, first_sample), metrics
+
+
+async def _streamed_records(
+    stream: RolloutStream, first_sample: int, on_record: Callable[[Mapping[str, Any]], None]
+) -> list[dict[str, Any]]:
+    """The records of ``stream``'s samples in input order, each passed to ``on_record`` as
+    its sample finishes."""
+    records = []
+    async for sample in stream:
+        [record] = sample_records(sample.batch, first_sample + sample.index)
+        on_record(record)
+        records.append(record)
+    return sorted(records, key=lambda record: record["sample"])

@@ -1,9 +1,13 @@
 """``envloop run`` end to end on a tiny policy: math and sliding-puzzle environments as Ray
-actors, every output file checked, then ``envloop report`` and ``envloop reverify``."""
+actors, every output file checked, then ``envloop report`` and ``envloop reverify``; and
+``rollout.mode: async`` writing what a sync run writes, with progress per finished sample."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -46,9 +50,6 @@ def run_dir(tmp_path_factory, tiny_policy_dir, ray_session):
 
 @pytest.fixture(scope="module")
 def run_output(run_dir):
-    import contextlib
-    import io
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         status = main(["run", str(run_dir / "run.yaml"), "rollout.max_turns=2", "--quiet"])
@@ -176,3 +177,73 @@ def test_report_and_reverify(run_output, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"Re-verified {NUM_SAMPLES} samples of ")
     assert ": 0 changed" in out
+
+
+class Terminal(io.StringIO):
+    """Standard output as a terminal: the live progress line."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(run_dir):
+    """The config of ``run_dir`` with greedy decoding, in sync mode (log lines) and in async
+    mode with at most 3 samples in flight (on a terminal): mode -> (stdout, run directory)."""
+    runs = {}
+    for mode, out, options in [
+        ("sync", io.StringIO(), ["--quiet"]),
+        ("async", Terminal(), ["rollout.mode=async", "rollout.max_concurrent_samples=3"]),
+    ]:
+        args = ["run", str(run_dir / "run.yaml"), "rollout.max_turns=2", "rollout.greedy=true",
+                f"output.dir={run_dir / mode}", *options]  # fmt: skip
+        with contextlib.redirect_stdout(out):
+            status = main(args)
+        assert status == 0, out.getvalue()
+        runs[mode] = (out.getvalue(), run_dir / mode)
+    return runs
+
+
+TIMING_METRICS = re.compile(r"^timing/|_time_s$|_per_s$|^wall_time_s$")
+
+
+def test_async_run_writes_what_a_sync_run_writes(greedy_runs):
+    (sync_out, sync), (async_out, asynchronous) = greedy_runs["sync"], greedy_runs["async"]
+    assert sorted(p.name for p in asynchronous.iterdir()) == sorted(p.name for p in sync.iterdir())
+    assert jsonl(asynchronous / "rollouts.jsonl") == jsonl(sync / "rollouts.jsonl")
+    sync_rows = pq.read_table(sync / "rollouts.parquet").to_pylist()
+    async_rows = pq.read_table(asynchronous / "rollouts.parquet").to_pylist()
+    assert [r["sample"] for r in async_rows] == list(range(NUM_SAMPLES))
+    for mine, theirs in zip(async_rows, sync_rows, strict=True):
+        logprobs = mine.pop("generation_logprobs")
+        assert logprobs == pytest.approx(theirs.pop("generation_logprobs"), abs=1e-4)
+        assert mine == theirs  # input_ids, loss_mask, messages, rewards, ...
+    configs = [yaml.safe_load((run / "config.yaml").read_text()) for run in (asynchronous, sync)]
+    assert configs[0]["rollout"]["mode"] == "async" and configs[1]["rollout"]["mode"] == "sync"
+    assert configs[0]["rollout"]["max_concurrent_samples"] == 3
+    for config in configs:
+        del config["rollout"]["mode"], config["rollout"]["max_concurrent_samples"]
+        del config["output"]["dir"]
+    assert configs[0] == configs[1]
+    metrics = [json.loads((run / "metrics.json").read_text()) for run in (asynchronous, sync)]
+    assert [list(m) for m in metrics[0].values() if isinstance(m, dict)] == [
+        list(m) for m in metrics[1].values() if isinstance(m, dict)
+    ]
+    for m in metrics:
+        m["rollout"] = {k: v for k, v in m["rollout"].items() if not TIMING_METRICS.search(k)}
+        del m["startup"], m["wall_time_s"]
+    assert metrics[0] == metrics[1]
+    summary = [line for line in sync_out.splitlines() if not line.startswith("progress")]
+    assert async_out.split("\x1b[K\n", 1)[1].splitlines()[:4] == summary[1:5]  # the table
+
+
+def test_async_run_draws_progress_per_finished_sample(greedy_runs):
+    out, _ = greedy_runs["async"]
+    draws = out.split("\x1b[K\n")[0].split("\r")[1:]
+    done = [int(re.search(r"\] (\d+)/10 samples", d)[1]) for d in draws]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 10
+    assert set(range(NUM_SAMPLES + 1)) <= set(done)  # every finished sample drawn
+    for draw, count in zip(draws, done):
+        # the mean reward per task counts every finished sample, as it finishes
+        per_task = [int(n) for n in re.findall(r"\((\d+)\)", draw.split("mean reward: ")[1])]
+        assert sum(per_task) == count

@@ -59,8 +59,9 @@ def test_minimal_config_gets_every_default(config_file):
     }  # fmt: skip
     assert resolved["rollout"] == {
         "observation_format": "raw", "env_step_timeout_s": None, "on_env_error": "record",
-        "env_max_retries": 1, "max_seq_len": 512, "max_turns": 4, "generations_per_prompt": 1,
-        "batch_size": 64, "mode": "sync", "greedy": False,
+        "env_max_retries": 1, "max_concurrent_samples": None, "coalesce_window_s": 0.002,
+        "max_coalesced_samples": 256, "max_seq_len": 512, "max_turns": 4,
+        "generations_per_prompt": 1, "batch_size": 64, "mode": "sync", "greedy": False,
     }  # fmt: skip
     assert resolved["data"]["columns"] == {
         "prompt": "prompt", "ground_truth": "ground_truth", "task": "task",
@@ -110,7 +111,7 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
     problems = problems_of(
         config_file,
         ["policy.tempreature=2", "rollout.max_turns=four", "rollout.batch_size=0",
-         "data.columns.prompt=7", "rollout.mode=async", "policy.device=gpu",
+         "data.columns.prompt=7", "rollout.mode=asynch", "policy.device=gpu",
          "policy.model_name=bundled:nothing", *environments],
     )  # fmt: skip
     assert problems == [
@@ -119,7 +120,7 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
         "data.columns.prompt: expected str, got int (7)",
         "rollout.max_turns: expected int, got str ('four')",
         "rollout.batch_size: must be >= 1, got 0",
-        "rollout.mode: 'async' is not available yet; use sync",
+        "rollout.mode: 'asynch' is not one of sync, async. Did you mean 'async'?",
         "policy.model_name: No bundled model 'nothing'; the bundled models are policy, "
         "reward_model (write e.g. 'bundled:policy').",
     ]  # environment configs are checked once the rest is valid (a custom one imports torch)

@@ -141,3 +141,61 @@ def test_tokens_generated_mid_turn_log_a_line_at_most_once_per_interval():
         "progress (running): 0/2 samples, 0 turns, 40 tokens, - tokens/s, mean reward: -, 20.0 s",
         "progress (running): 0/2 samples, 0 turns, 60 tokens, - tokens/s, mean reward: -, 30.0 s",
     ]
+
+
+def test_async_rollouts_count_each_sample_as_it_finishes():
+    out, clock = Terminal(), Clock()
+    progress = Progress(total=4, stream=out, clock=clock, per_sample=True)
+    progress.start()
+    clock.now += 1.0
+    progress.on_turn(running(2, 2, 30, 0.5))  # two samples ended; neither handed over yet
+    progress.on_sample({"task": "math", "total_reward": 1.0, "num_turns": 1})
+    progress.on_sample({"task": "puzzle", "total_reward": 0.5, "num_turns": 1})
+    clock.now += 1.0
+    progress.update(
+        finished("math", 1.0, 1) + finished("puzzle", 0.5, 1), generated_tokens=40,
+        generation_s=0.5,
+    )  # fmt: skip
+    progress.on_sample({"task": "math", "total_reward": 0.0, "num_turns": 3})
+    assert [line.split("\x1b")[0] for line in out.getvalue().split("\r")[1:]] == [
+        "[------------------------] 0/4 samples, 0 turns, 0 tokens, - tokens/s, "
+        "mean reward: -, 0.0 s",
+        "[------------------------] 0/4 samples, 2 turns, 30 tokens, 60 tokens/s, "
+        "mean reward: -, 1.0 s",
+        "[######------------------] 1/4 samples, 2 turns, 30 tokens, 60 tokens/s, "
+        "mean reward: math 1.000 (1), 1.0 s",
+        "[############------------] 2/4 samples, 2 turns, 30 tokens, 60 tokens/s, "
+        "mean reward: math 1.000 (1), puzzle 0.500 (1), 1.0 s",
+        "[############------------] 2/4 samples, 2 turns, 40 tokens, 80 tokens/s, "
+        "mean reward: math 1.000 (1), puzzle 0.500 (1), 2.0 s",  # the batch's records, once
+        "[##################------] 3/4 samples, 2 turns, 40 tokens, 80 tokens/s, "
+        "mean reward: math 0.500 (2), puzzle 0.500 (1), 2.0 s",
+    ]
+    assert progress.finished == 2  # finished batches; the running one's sample is on top
+
+
+def test_async_rollouts_log_finished_samples_at_most_once_per_interval():
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(total=3, stream=out, clock=clock, per_sample=True, log_interval_s=10.0)
+    progress.start()
+    for _ in range(3):
+        clock.now += 6.0
+        progress.on_sample({"task": "math", "total_reward": 1.0, "num_turns": 1})
+    progress.update(finished("math", 1.0, 1, n=3), generated_tokens=30, generation_s=1.0)
+    assert out.getvalue().splitlines() == [
+        "progress (running): 2/3 samples, 0 turns, 0 tokens, - tokens/s, "
+        "mean reward: math 1.000 (2), 12.0 s",
+        "progress: 3/3 samples, 3 turns, 30 tokens, 30 tokens/s, "
+        "mean reward: math 1.000 (3), 18.0 s",
+    ]
+
+
+def test_a_turn_takes_only_the_tokens_it_counts_from_the_live_count():
+    """In an async rollout, rows may still be generating when another sample's turn ends."""
+    progress = Progress(total=4, stream=io.StringIO(), per_sample=True)
+    progress.on_tokens(10)  # rows of two samples, finished, and of two still generating
+    progress.on_turn(running(0, 2, 6, 1.0))  # the two finished rows' 6 tokens
+    assert progress.line(0.0).startswith("0/4 samples, 2 turns, 10 tokens, 6 tokens/s")
+    progress.on_tokens(4)
+    progress.on_turn(running(0, 4, 16, 2.0))  # the other two: 10 tokens
+    assert progress.line(0.0).startswith("0/4 samples, 4 turns, 16 tokens, 8 tokens/s")
