@@ -9,12 +9,14 @@ task's environment stage wait ``coalesce_window_s`` when idle, then take up to
 state are those of :mod:`envloop.experience.rollout_state`, applied to the samples of each
 call, so a sample's turns are computed exactly as in ``run_multi_turn_rollout``.
 
-Generation runs one call at a time (a policy's sampling state is not shared between
-threads); a backend that overrides ``generate_async`` hands each sample on as soon as it
-finishes. Environment calls run concurrently, several per task when samples arrive while a
-call is under way, each in a worker thread (the dispatcher's Ray waits and in-process steps
-never block the event loop), with the sync engine's timeouts, retries, contract checks and
-``on_env_error``.
+A backend that overrides ``generate_async`` (``HfGeneration`` batches continuously) gets a
+call for every coalesced batch as soon as it forms, while earlier calls still run, and hands
+each sample on as soon as it finishes. A backend with only ``generate`` gets one call at a
+time, in a worker thread (its sampling state need not be thread-safe). Environment calls run
+concurrently, several per task when samples arrive while a call is under way, each on a
+thread of the rollout's own pool (the dispatcher's Ray waits and in-process steps never
+block the event loop, and a few slow steps do not hold up the others' threads), with the
+sync engine's timeouts, retries, contract checks and ``on_env_error``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,9 @@ from envloop.experience.rollout_state import (
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["FinishedGroup", "FinishedSample", "RolloutStream"]
+
+MAX_ENV_THREADS = 256
+"""Most environment calls of one rollout waiting at once (at most one per sample in flight)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,9 @@ class _Engine:
         self.state, self.policy, self.tokenizer = state, policy, tokenizer
         self.max_turns, self.greedy, self.options, self.timer = max_turns, greedy, options, timer
         self.renderer = observation_renderer(tokenizer, options.observation_format)
-        self.dispatcher = EnvDispatcher.from_options(task_to_env, options)
+        limit = max(1, min(options.max_concurrent_samples or state.size, MAX_ENV_THREADS))
+        self.dispatcher = EnvDispatcher.from_options(task_to_env, options, max_threads=limit)
+        self.env_threads = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="envloop-env")
         self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
 
     async def run(self) -> AsyncIterator[int]:
@@ -169,7 +177,10 @@ class _Engine:
         self.finished: asyncio.Queue[int | BaseException] = asyncio.Queue()
         self.waiting = deque(range(self.state.size))  # not yet admitted, in input order
         self.in_flight, self.tasks = 0, set()
-        self.generation = _Stage(self._generate, self.options, self._spawn, serial=True)
+        self.generation = _Stage(
+            self._generate, self.options, self._spawn, serial=not self.streams_outputs
+        )
+
         self.env_stages = {
             task: _Stage(self._step_env, self.options, self._spawn, serial=False)
             for task in dict.fromkeys(self.state.task_names)
@@ -184,6 +195,7 @@ class _Engine:
         finally:
             for task in self.tasks:
                 task.cancel()
+            self.env_threads.shutdown(wait=False, cancel_futures=True)
             self.dispatcher.shutdown()
 
     def _admit(self) -> None:
@@ -239,9 +251,10 @@ class _Engine:
         on to its next turn or out."""
         state, task = self.state, self.state.task_names[samples[0]]
         with self.timer.phase("env_step"):
-            results = await asyncio.to_thread(
-                self.dispatcher.step, {task: samples}, state.env_views, state.metadata
-            )
+            results = await asyncio.get_running_loop().run_in_executor(
+                self.env_threads,
+                self.dispatcher.step, {task: samples}, state.env_views, state.metadata,
+            )  # fmt: skip
         eos = dict(zip(samples, ended_with_eos))
         take_env_results(state, results, eos, self.tokenizer, self.renderer, self.timer)
         if self.options.on_turn is not None:

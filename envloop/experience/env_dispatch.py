@@ -67,8 +67,10 @@ class EnvDispatcher:
         timeout_s: float | None = None,
         on_error: str = "record",
         max_retries: int = 1,
+        max_threads: int | None = None,
     ) -> None:
         self.task_to_env = task_to_env
+        self.max_threads = max_threads
         # An infinite limit is no limit (Ray's and the clock's waits take finite seconds).
         self.timeout_s = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
         self.on_error = on_error
@@ -77,12 +79,16 @@ class EnvDispatcher:
         self._started: set[str] = set()
 
     @classmethod
-    def from_options(cls, task_to_env: dict[str, Any], options: Any) -> EnvDispatcher:
+    def from_options(
+        cls, task_to_env: dict[str, Any], options: Any, max_threads: int | None = None
+    ) -> EnvDispatcher:
         """A dispatcher with the timeout, error policy and retries of rollout ``options``
-        (:class:`~envloop.experience.rollout_options.RolloutSettings`)."""
+        (:class:`~envloop.experience.rollout_options.RolloutSettings`); ``max_threads``:
+        in-process steps that may run at once (None: Python's default pool size)."""
         return cls(
-            task_to_env, options.env_step_timeout_s, options.on_env_error, options.env_max_retries
-        )
+            task_to_env, options.env_step_timeout_s, options.on_env_error,
+            options.env_max_retries, max_threads,
+        )  # fmt: skip
 
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
@@ -129,7 +135,7 @@ class EnvDispatcher:
         if is_actor(env):
             return env.step.remote(logs, metadata)
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(thread_name_prefix="envloop-env")
+            self._pool = ThreadPoolExecutor(self.max_threads, thread_name_prefix="envloop-env")
         # Copies, so an in-process environment sees what an actor would: its own objects.
         return self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
 

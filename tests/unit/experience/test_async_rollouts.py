@@ -178,6 +178,35 @@ def test_a_sample_waiting_on_another_does_not_stop_it(tiny_tokenizer):
     assert final["num_turns"].tolist() == [1, 5]
 
 
+class AllTogether(EchoEnv):
+    """Each step waits until ``barrier.parties`` steps are waiting at once, then ends its
+    samples: it completes only if that many environment calls can be in flight together."""
+
+    def __init__(self, barrier: threading.Barrier) -> None:
+        self.barrier = barrier
+
+    def step(self, message_log_batch, metadata, *args, **kwargs):
+        self.barrier.wait(timeout=60)
+        ret = super().step(message_log_batch, metadata)
+        return ret._replace(terminateds=torch.ones(len(metadata), dtype=torch.bool))
+
+
+def test_many_blocked_environment_calls_wait_together(tiny_tokenizer):
+    """Twenty environment calls (one sample each) block at once; a pool of a few threads
+    (asyncio's default has min(32, cores + 4)) would hold the others back forever."""
+    barrier = threading.Barrier(20)
+    samples = [{"task": "together", "prompt": f"Sample {i}."} for i in range(20)]
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    final, _ = asyncio.run(
+        run_async_multi_turn_rollout(
+            policy, make_batch(tiny_tokenizer, samples), tiny_tokenizer,
+            {"together": AllTogether(barrier)}, 512, max_coalesced_samples=1,
+        )
+    )  # fmt: skip
+    assert final["env_error"] == [None] * 20
+    assert final["num_turns"].tolist() == [1] * 20
+
+
 def test_samples_and_groups_stream_in_completion_order(tiny_tokenizer):
     # Groups of two: group 1 needs one guess, group 2 two, group 0 six (binary search).
     samples = [guess_sample(99), guess_sample(99), guess_sample(50), guess_sample(50),
