@@ -1,6 +1,7 @@
 """Options of the rollout engine, declared once and validated once with every problem
-reported. :class:`RolloutSettings` are the ones a config file can set (the run config's
-``rollout`` section composes them); :class:`RolloutOptions` adds the progress callback."""
+reported. :class:`RolloutSettings` (and :class:`AsyncRolloutSettings` for the async engine)
+are the ones a config file can set (the run config's ``rollout`` section composes them);
+:class:`RolloutOptions` and :class:`AsyncRolloutOptions` add the progress callback."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ class RolloutOptions(RolloutSettings, title="rollout options"):
     nothing."""
 
 
-class AsyncRolloutOptions(RolloutOptions, title="async rollout options"):
-    """Keyword options of ``run_async_multi_turn_rollout``: those of
-    ``run_multi_turn_rollout`` and how samples are bounded and coalesced.
+class AsyncRolloutSettings(RolloutSettings, title="async rollout options"):
+    """The options of ``run_async_multi_turn_rollout`` that are plain values: those of
+    :class:`RolloutSettings` and how samples are bounded and coalesced.
 
-    >>> AsyncRolloutOptions.from_mapping({}).coalesce_window_s
+    >>> AsyncRolloutSettings.from_mapping({}).coalesce_window_s
     0.002
     """
 
@@ -70,3 +71,22 @@ class AsyncRolloutOptions(RolloutOptions, title="async rollout options"):
     environment, so that samples arriving close together share one batched call."""
     max_coalesced_samples: Annotated[int, Field(ge=1)] = 256
     """Most samples in one coalesced generation or environment call."""
+
+
+ASYNC_ONLY_SETTINGS = tuple(
+    name for name in AsyncRolloutSettings.model_fields if name not in RolloutSettings.model_fields
+)
+"""The settings only the async engine reads (``max_concurrent_samples``,
+``coalesce_window_s``, ``max_coalesced_samples``)."""
+
+
+class AsyncRolloutOptions(AsyncRolloutSettings, RolloutOptions, title="async rollout options"):
+    """Keyword options of ``run_async_multi_turn_rollout``: those of
+    ``run_multi_turn_rollout`` and how samples are bounded and coalesced.
+
+    >>> AsyncRolloutOptions.from_mapping({"max_concurrent_samples": 0})
+    Traceback (most recent call last):
+    ...
+    envloop.config.errors.ConfigError: Invalid async rollout options:
+      - max_concurrent_samples: must be >= 1, got 0
+    """

@@ -7,15 +7,14 @@ reads it. Each field's docstring is what the config reference (README) shows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, create_model, field_validator
-from pydantic.fields import FieldInfo
+from pydantic import Field, ValidationInfo, field_validator
 
 from envloop.config.validation import Config, NonEmptyStr
 from envloop.experience.rollout_options import (
-    AsyncRolloutOptions,
-    RolloutOptions,
+    ASYNC_ONLY_SETTINGS,
+    AsyncRolloutSettings,
     RolloutSettings,
 )
 from envloop.models.generation.hf_config import HfGenerationConfig
@@ -54,39 +53,7 @@ class EnvConfig(Config, title="environment"):
         return self.name in GROUND_TRUTH_ENVS
 
 
-ASYNC_ONLY_OPTIONS = tuple(
-    name for name in AsyncRolloutOptions.model_fields if name not in RolloutOptions.model_fields
-)
-"""The options only the async engine reads (``max_concurrent_samples``,
-``coalesce_window_s``, ``max_coalesced_samples``)."""
-
-
-def _with_async_options() -> type[RolloutSettings]:
-    """:class:`RolloutSettings` plus :data:`ASYNC_ONLY_OPTIONS`, each as
-    :class:`AsyncRolloutOptions` declares it (type, constraints, default, description), its
-    description noting that only ``mode: async`` reads it."""
-    fields: dict[str, Any] = {}
-    for name in ASYNC_ONLY_OPTIONS:
-        declared = AsyncRolloutOptions.model_fields[name]
-        note = f"{declared.description} Read in ``mode: async`` only."
-        fields[name] = (
-            declared.annotation,
-            FieldInfo.merge_field_infos(declared, description=note),
-        )
-    title = {"title": "rollout options"}
-    return create_model(
-        "RunRolloutSettings", __base__=RolloutSettings, __cls_kwargs__=title, **fields
-    )
-
-
-if TYPE_CHECKING:
-    RunRolloutSettings = RolloutSettings
-else:
-    RunRolloutSettings = _with_async_options()
-"""The engine options a run config can set: those of both engines."""
-
-
-class RolloutConfig(RunRolloutSettings, title="rollout"):
+class RolloutConfig(AsyncRolloutSettings, title="rollout"):
     """The rollout loop: the engine's arguments and options (``run_multi_turn_rollout``'s,
     and with ``mode: async`` those of ``run_async_multi_turn_rollout``).
 
@@ -119,18 +86,18 @@ async, or leave it out
     def engine_options(self) -> dict[str, Any]:
         """The engine's options this section sets, as keywords of ``run_multi_turn_rollout``
         (every :class:`RolloutSettings` field) or, with ``mode: async``, of
-        ``run_async_multi_turn_rollout`` (those and :data:`ASYNC_ONLY_OPTIONS`).
+        ``run_async_multi_turn_rollout`` (those and :data:`ASYNC_ONLY_SETTINGS`).
 
         >>> RolloutConfig(env_max_retries=3, max_turns=2).engine_options()
         {'observation_format': 'raw', 'env_step_timeout_s': None, 'on_env_error': 'record', \
 'env_max_retries': 3}
         >>> options = RolloutConfig(mode="async", max_concurrent_samples=8).engine_options()
-        >>> {name: options[name] for name in ASYNC_ONLY_OPTIONS}
+        >>> {name: options[name] for name in ASYNC_ONLY_SETTINGS}
         {'max_concurrent_samples': 8, 'coalesce_window_s': 0.002, 'max_coalesced_samples': 256}
         """
         names = [*RolloutSettings.model_fields]
         if self.mode == "async":
-            names += ASYNC_ONLY_OPTIONS
+            names += ASYNC_ONLY_SETTINGS
         return {name: getattr(self, name) for name in names}
 
     @field_validator("mode")
@@ -144,9 +111,9 @@ async, or leave it out
             return mode
         changed = [
             f"{name} ({info.data[name]!r})"
-            for name in ASYNC_ONLY_OPTIONS
+            for name in ASYNC_ONLY_SETTINGS
             if name in info.data
-            and info.data[name] != AsyncRolloutOptions.model_fields[name].get_default()
+            and info.data[name] != AsyncRolloutSettings.model_fields[name].get_default()
         ]
         if changed:
             one = len(changed) == 1

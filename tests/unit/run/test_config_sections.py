@@ -5,9 +5,14 @@ from __future__ import annotations
 import pytest
 
 from envloop.config.errors import ConfigError
-from envloop.experience.rollout_options import AsyncRolloutOptions, RolloutSettings
+from envloop.experience.rollout_options import (
+    ASYNC_ONLY_SETTINGS,
+    AsyncRolloutOptions,
+    AsyncRolloutSettings,
+    RolloutSettings,
+)
 from envloop.run.config import RunConfig, config_reference_rows, load_run_config
-from envloop.run.config_sections import ASYNC_ONLY_OPTIONS, RolloutConfig
+from envloop.run.config_sections import RolloutConfig
 
 REQUIRED = ["policy.model_name=bundled:policy", "data.path=d.jsonl", "envs.math.name=math"]
 SYNC_OPTIONS = {
@@ -23,10 +28,10 @@ def rollout_problems(*overrides: str) -> list[str]:
 
 
 def test_async_only_options_are_those_the_async_engine_adds():
-    assert ASYNC_ONLY_OPTIONS == (
+    assert ASYNC_ONLY_SETTINGS == (
         "max_concurrent_samples", "coalesce_window_s", "max_coalesced_samples",
     )  # fmt: skip
-    assert set(RolloutConfig.model_fields) >= {*RolloutSettings.model_fields, *ASYNC_ONLY_OPTIONS}
+    assert set(RolloutConfig.model_fields) >= {*RolloutSettings.model_fields, *ASYNC_ONLY_SETTINGS}
 
 
 def test_engine_options_are_the_keywords_of_the_modes_engine():
@@ -77,19 +82,18 @@ def test_a_sync_runs_config_yaml_loads_again():
     """``config.yaml`` lists every option, the async ones at their defaults."""
     config = load_run_config(None, REQUIRED, deep=False)
     resolved = config.to_dict()
-    assert {key: resolved["rollout"][key] for key in ASYNC_ONLY_OPTIONS} == {
+    assert {key: resolved["rollout"][key] for key in ASYNC_ONLY_SETTINGS} == {
         "max_concurrent_samples": None, "coalesce_window_s": 0.002, "max_coalesced_samples": 256,
     }  # fmt: skip
     assert RunConfig.from_mapping(resolved) == config
 
 
-def test_the_reference_shows_the_engines_declarations_marked_async_only():
+def test_the_reference_shows_the_async_engines_declarations():
     rows = {key: rest for key, *rest in config_reference_rows()}
-    for name in ASYNC_ONLY_OPTIONS:
-        declared = AsyncRolloutOptions.model_fields[name]
-        description = rows[f"rollout.{name}"][2]
-        assert description.endswith("Read in `mode: async` only.")
-        assert description.split()[:3] == declared.description.split()[:3]
+    for name in ASYNC_ONLY_SETTINGS:
+        declared = AsyncRolloutSettings.model_fields[name]
+        expected = " ".join(declared.description.replace("None", "null").split())
+        assert rows[f"rollout.{name}"][2] == expected
     assert rows["rollout.max_concurrent_samples"][:2] == ["int or null", "null"]
     assert rows["rollout.coalesce_window_s"][:2] == ["float", "0.002"]
     assert rows["rollout.mode"][0] == "one of sync, async"
