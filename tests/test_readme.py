@@ -33,7 +33,7 @@ def test_python_blocks_are_found_with_their_skip_reasons():
 @pytest.mark.ray
 def test_readme_python_blocks_run_as_written(ray_session, capsys):
     blocks = python_blocks(README.read_text(encoding="utf-8"))
-    assert len(blocks) == 2 and [reason for reason, _ in blocks] == [None, None]
+    assert [reason for reason, _ in blocks] == [None, None, None]
     namespace: dict = {"__name__": "__main__"}  # as `python script.py` runs it
     try:
         for reason, code in blocks:
@@ -42,7 +42,11 @@ def test_readme_python_blocks_run_as_written(ray_session, capsys):
                 assert_rollout_as_the_readme_says(namespace["final"], namespace["metrics"])
     finally:
         ENV_REGISTRY.pop("echo", None)
-    assert capsys.readouterr().out.splitlines()[-2:] == ["[1.0, 1.0] 1.5"] * 2
+    # The sync rollout in process and on a Ray actor, the async one, then its groups as they
+    # finish: the prompt answered in one turn first.
+    assert capsys.readouterr().out.splitlines()[-5:] == [
+        *["[1.0, 1.0] 1.5"] * 3, "[0, 1] [1.0, 1.0]", "[2, 3] [1.0, 1.0]",
+    ]  # fmt: skip
 
 
 def assert_rollout_as_the_readme_says(final, metrics):
