@@ -15,91 +15,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent)
 
-from envloop.data.llm_message_utils import (
-    batched_message_log_to_flat_message,
-    get_formatted_message_log,
-)
+from _workloads import PHASES, CountdownEnv, FixedResponsePolicy, make_batch, start_ray
+
+from envloop.data.llm_message_utils import batched_message_log_to_flat_message
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.distributed.ray_utils import init_ray
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn, actor_class
+from envloop.environments.interfaces import actor_class
 from envloop.experience.rollouts import run_multi_turn_rollout
-from envloop.models.generation.interfaces import GenerationInterface
 from tests.fixtures.tiny_models import build_tiny_tokenizer
-
-PHASES = ["flatten", "gen_bookkeeping", "env_step", "rewards_and_status", "obs_tokenization"]
-
-
-class CountdownEnv(EnvironmentInterface):
-    """Answers every turn; ends the episode after ``turns`` turns (kept in metadata)."""
-
-    def __init__(self, turns: int = 4) -> None:
-        self.turns = turns
-
-    def step(self, message_log_batch, metadata, *args, **kwargs) -> EnvironmentReturn:
-        done_turns = [md["turn"] + 1 for md in metadata]
-        return EnvironmentReturn(
-            [
-                {"role": "user", "content": f"Environment: turn {t} of {self.turns}. Continue."}
-                for t in done_turns
-            ],
-            [{"turn": t} for t in done_turns],
-            [["</step>"]] * len(done_turns),
-            torch.full((len(done_turns),), 0.25),
-            torch.tensor([t >= self.turns for t in done_turns]),
-        )
-
-    def global_post_process_and_metrics(self, batch):
-        return batch, {}
-
-
-class FixedResponsePolicy(GenerationInterface):
-    """Appends the same response tokens to every prompt (vectorized: costs ~nothing)."""
-
-    def __init__(self, tokenizer: Any, text: str) -> None:
-        self.response = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
-        self.pad_id = tokenizer.pad_token_id
-        self.seconds = 0.0
-
-    def generate(self, data, greedy=False):
-        start = time.perf_counter()
-        ids, lengths = data["input_ids"], data["input_lengths"]
-        n, b = len(self.response), len(lengths)
-        out = torch.full((b, ids.shape[1] + n), self.pad_id, dtype=torch.long)
-        out[:, : ids.shape[1]] = ids
-        cols = lengths[:, None] + torch.arange(n)
-        out.scatter_(1, cols, self.response.expand(b, n))
-        logprobs = torch.zeros(out.shape, dtype=torch.float32)
-        logprobs.scatter_(1, cols, -0.5)
-        gen = torch.full((b,), n, dtype=torch.long)
-        self.seconds += time.perf_counter() - start
-        return BatchedDataDict(
-            output_ids=out, logprobs=logprobs, generation_lengths=gen,
-            unpadded_sequence_lengths=lengths + gen,
-        )  # fmt: skip
-
-
-def make_batch(tokenizer: Any, samples: int) -> BatchedDataDict:
-    prompt = get_formatted_message_log(
-        [{"role": "user", "content": "Count down with me, one step at a time."}],
-        tokenizer,
-        add_generation_prompt=True,
-    )
-    return BatchedDataDict(
-        message_log=[[dict(m) for m in prompt] for _ in range(samples)],
-        extra_env_info=[{"turn": 0} for _ in range(samples)],
-        task_name=["countdown"] * samples,
-        stop_strings=[["</step>"]] * samples,
-        loss_multiplier=[1.0] * samples,
-        idx=list(range(samples)),
-    )
 
 
 def straightforward_rollout(policy, batch, tokenizer, env, max_seq_len, max_turns):
@@ -170,7 +98,7 @@ def measure(args, tokenizer, env):
     for name in ("envloop", "straightforward"):
         best = None
         for _ in range(args.repeats):
-            policy = FixedResponsePolicy(tokenizer, "<step>thinking it over</step>")
+            policy = FixedResponsePolicy(tokenizer)
             batch = make_batch(tokenizer, args.samples)
             start = time.perf_counter()
             if name == "envloop":
@@ -202,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    init_ray(num_cpus=2, log_to_driver=False)
+    start_ray()
     tokenizer = build_tiny_tokenizer()
     env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
     ray.get(env.__ray_ready__.remote())
