@@ -51,7 +51,8 @@ from _workloads import PHASES, CountdownEnv, FixedResponsePolicy, load_avg, make
 import envloop
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn, actor_class
+from envloop.environments.interfaces import EnvironmentReturn, actor_class
+from envloop.environments.sample_environment import SampleEnvironment, SampleStep
 from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
 from envloop.models.generation.interfaces import GenerationInterface
 from tests.fixtures.tiny_models import build_tiny_tokenizer
@@ -397,41 +398,41 @@ class SimulatedPolicy(GenerationInterface):
         )  # fmt: skip
 
 
-class SandboxEnv(EnvironmentInterface):
-    """A parallel sandbox: a batched step runs every sample's step at once, so it takes
-    the workload's latency of its slowest sample; ends each sample after its own turns.
+class SandboxEnv(SampleEnvironment):
+    """A sandbox service: each sample's step takes its own latency from the workload (an
+    awaited call, so a batch's samples run at once), and a sample ends after its own turns.
 
-    Runs as a Ray actor with ``max_concurrency`` > 1, so that overlapping calls overlap (a
-    plain actor would run them one after another). ``calls`` lists each call's
-    (sample, turn) keys and its seconds."""
+    Runs as a Ray actor. The sync engine calls ``step`` (a batch takes as long as its slowest
+    sample); the async engine calls ``astep_stream``, which hands back each sample as it
+    finishes, and overlapping calls overlap. ``calls`` lists each call's sample count."""
 
     def __init__(self, latencies: np.ndarray, turns: np.ndarray) -> None:
         self.latencies, self.turns = latencies, turns
-        self.calls: list[tuple[list[tuple[int, int]], float]] = []
+        self.calls: list[int] = []
 
-    def step(self, message_log_batch, metadata, *args, **kwargs) -> EnvironmentReturn:
-        keys = [(md["sample"], md["turn"]) for md in metadata]
-        cost = max(float(self.latencies[k]) for k in keys)
-        self.calls.append((keys, cost))
-        time.sleep(cost)
-        return EnvironmentReturn(
-            [
-                {"role": "user", "content": f"Checked step {t + 1}. [s{s} t{t + 1}]"}
-                for s, t in keys
-            ],
-            [{"sample": s, "turn": t + 1} for s, t in keys],
-            [None] * len(keys),
-            torch.full((len(keys),), 0.25),
-            torch.tensor([t + 1 >= self.turns[s] for s, t in keys]),
+    async def astep_sample(self, messages, metadata) -> SampleStep:
+        sample, turn = metadata["sample"], metadata["turn"]
+        await asyncio.sleep(float(self.latencies[sample, turn]))
+        return SampleStep(
+            {"role": "user", "content": f"Checked step {turn + 1}. [s{sample} t{turn + 1}]"},
+            reward=0.25,
+            terminated=bool(turn + 1 >= self.turns[sample]),
+            metadata={"sample": sample, "turn": turn + 1},
         )
 
-    def take_calls(self) -> list[tuple[list[tuple[int, int]], float]]:
+    def step(self, message_log_batch, metadata, *args, **kwargs) -> EnvironmentReturn:
+        self.calls.append(len(metadata))
+        return super().step(message_log_batch, metadata)
+
+    async def astep_stream(self, message_log_batch, metadata):
+        self.calls.append(len(metadata))
+        async for item in super().astep_stream(message_log_batch, metadata):
+            yield item
+
+    def take_calls(self) -> list[int]:
         """``calls`` since the last ``take_calls``."""
         calls, self.calls = self.calls, []
         return calls
-
-    def global_post_process_and_metrics(self, batch):
-        return batch, {}
 
 
 def long_tail_batch(tokenizer: Any, samples: int) -> BatchedDataDict:
@@ -476,7 +477,6 @@ def long_tail_run(engine: str, workload: LongTailWorkload, tokenizer: Any, env: 
     if got != expected:
         raise RuntimeError(f"{engine} ran (turns, tokens, ended) {got}, drawn: {expected}")
     calls = ray.get(env.take_calls.remote())
-    env_waits = {key: cost for keys, cost in calls for key in keys}
     return {
         "wall": wall,
         "gen calls": policy.calls,
@@ -485,21 +485,18 @@ def long_tail_run(engine: str, workload: LongTailWorkload, tokenizer: Any, env: 
         "decoder busy": policy.decoder.steps * workload.step_s / wall,
         "rows per decode step": policy.decoder.token_steps / max(policy.decoder.steps, 1),
         "env calls": len(calls),
-        "samples per env call": len(env_waits) / len(calls),
-        "env call / own latency": sum(env_waits.values()) / workload.own_steps()[1].sum(),
-        **slowest_sample_in_calls(policy.waits, env_waits),
+        "samples per env call": sum(calls) / len(calls),
+        "slowest sample: s in gen calls": slowest_in_gen_calls(policy.waits),
     }
 
 
-def slowest_sample_in_calls(gen_waits: dict, env_waits: dict) -> dict[str, float]:
-    """The sample that spent longest in calls: its seconds in generation calls (until its
-    row came back) and in environment calls, summed over its turns."""
-    per_sample: dict[int, list[float]] = {}
-    for waits, column in ((gen_waits, 0), (env_waits, 1)):
-        for (sample, _), seconds in waits.items():
-            per_sample.setdefault(sample, [0.0, 0.0])[column] += seconds
-    gen, env = max(per_sample.values(), key=sum)
-    return {"slowest sample: s in gen calls": gen, "slowest sample: s in env calls": env}
+def slowest_in_gen_calls(gen_waits: dict) -> float:
+    """The most seconds one sample spent in generation calls (until its row came back),
+    summed over its turns."""
+    per_sample: dict[int, float] = {}
+    for (sample, _), seconds in gen_waits.items():
+        per_sample[sample] = per_sample.get(sample, 0.0) + seconds
+    return max(per_sample.values())
 
 
 def long_tail_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
@@ -547,9 +544,7 @@ def long_tail_table(args, workload: LongTailWorkload, runs: dict[str, list[dict]
         f"Lower bound = max(critical path {workload.critical_path_s():.2f} s, throughput bound "
         f"{workload.throughput_bound_s():.2f} s); the sync engine under the cost model alone: "
         f"{workload.sync_model_s():.2f} s. In gen calls: seconds inside generation calls, "
-        "summed (over 1: calls overlapped); decoder busy: decode steps x step time; env call "
-        "/ own latency: seconds each sample waited for its environment calls over its own "
-        "steps' latencies, summed over samples (over 1: slower samples in the same call).",
+        "summed (over 1: calls overlapped); decoder busy: decode steps x step time.",
     ]
 
 

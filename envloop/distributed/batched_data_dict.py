@@ -77,6 +77,22 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         """The batch size; 0 for an empty dict. Raises ``BatchSplitError`` if columns disagree."""
         return self._checked_size()
 
+    def __repr__(self) -> str:
+        """One line per column: its type and shape, never its values (a batch of message
+        logs formats to megabytes; ``asyncio.run`` formats its result's repr on some Python
+        versions). ``dict(batch)`` shows the values.
+
+        >>> BatchedDataDict({"x": torch.zeros(2, 3), "name": ["a", "b"]})
+        BatchedDataDict(
+          x: Tensor[2, 3] float32,
+          name: list[2],
+        )
+        """
+        if not self:
+            return "BatchedDataDict()"
+        lines = [f"  {key}: {_column_summary(value)}," for key, value in self.items()]
+        return "BatchedDataDict(\n" + "\n".join(lines) + "\n)"
+
     def copy(self) -> Self:
         """A new dict holding the same value objects (a shallow copy) and micro-batch metadata."""
         out = type(self)(self)
@@ -365,3 +381,14 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
 class SlicedDataDict(BatchedDataDict[Any]):
     """A shard or chunk of a larger batch (what ``shard_by_batch_size`` and ``chunk`` return);
     a distinct type for readers and type checkers, otherwise a ``BatchedDataDict``."""
+
+
+def _column_summary(value: Any) -> str:
+    """``Tensor[2, 3] float32``, ``list[4]``, or the type name of anything else."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        device = "" if value.device.type == "cpu" else f" {value.device}"
+        return f"Tensor[{', '.join(map(str, value.shape))}] {dtype}{device}"
+    if isinstance(value, list):
+        return f"list[{len(value)}]"
+    return type(value).__name__

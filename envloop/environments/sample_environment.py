@@ -38,8 +38,8 @@ import numbers
 import threading
 import traceback
 import weakref
-from collections.abc import Coroutine, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -169,6 +169,49 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
         outcomes = self._outcomes(list(message_log_batch), list(metadata))
         return _batched_return(outcomes, list(metadata), self.observation_role)
 
+    def step_stream(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[Any]
+    ) -> Iterator[tuple[int, EnvironmentReturn]]:
+        """Step every sample as :meth:`step` does, yielding ``(row, one-sample return)`` as
+        each sample finishes (the async engine hands it on at once). A sample that failed
+        comes as a return with its error text in ``errors``, never as an exception."""
+        logs, metadata = list(message_log_batch), list(metadata)
+        for row, outcome in self._outcomes_as_finished(logs, metadata):
+            yield row, _batched_return([outcome], [metadata[row]], self.observation_role, True)
+
+    async def astep_stream(
+        self, message_log_batch: list[LLMMessageLogType], metadata: list[Any]
+    ) -> AsyncIterator[tuple[int, EnvironmentReturn]]:
+        """:meth:`step_stream` for an event loop (a Ray actor's: the async engine calls this
+        one there), so that calls overlap. ``astep_sample`` samples run on the environment's
+        own loop, as in ``step``; ``step_sample`` samples run on threads of the
+        environment's, at most ``max_concurrent_samples`` (None: 1) at once over all
+        calls."""
+        logs, metadata = list(message_log_batch), list(metadata)
+        limit = _checked_limit(self)
+        pending: dict[asyncio.Future[_Outcome], int]
+        if getattr(type(self), "astep_sample", None) is not None:
+            slots = asyncio.Semaphore(limit) if limit is not None else None
+            runner = _loop_of(self)
+            pending = {
+                asyncio.wrap_future(runner.submit(self._async_outcome(log, md, slots))): row
+                for row, (log, md) in enumerate(zip(logs, metadata))
+            }
+        elif type(self).step_sample is SampleEnvironment.step_sample:
+            raise NotImplementedError(_MISSING.format(name=type(self).__name__))
+        else:
+            loop, threads = asyncio.get_running_loop(), _threads_of(self, limit or 1)
+            pending = {
+                loop.run_in_executor(threads, self._sample_outcome, log, md): row
+                for row, (log, md) in enumerate(zip(logs, metadata))
+            }
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=pending.__getitem__):
+                row = pending.pop(future)
+                outcome = future.result()
+                yield row, _batched_return([outcome], [metadata[row]], self.observation_role, True)
+
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
@@ -180,6 +223,9 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
         runner = self.__dict__.pop("_sample_loop", None)
         if runner is not None:
             runner.close(wait=True)
+        threads = self.__dict__.pop("_sample_threads", None)
+        if threads is not None:
+            threads.shutdown(wait=False, cancel_futures=True)
 
     def _outcomes(self, logs: list[LLMMessageLogType], metadata: list[Any]) -> list[_Outcome]:
         limit = _checked_limit(self)
@@ -192,6 +238,35 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
         with ThreadPoolExecutor(min(limit, len(logs)), "envloop-sample") as pool:
             return list(pool.map(self._sample_outcome, logs, metadata))
 
+    def _outcomes_as_finished(
+        self, logs: list[LLMMessageLogType], metadata: list[Any]
+    ) -> Iterator[tuple[int, _Outcome]]:
+        """``(row, outcome)`` per sample in the order they finish, run as :meth:`_outcomes`
+        runs them."""
+        limit = _checked_limit(self)
+        if getattr(type(self), "astep_sample", None) is not None:
+            slots = asyncio.Semaphore(limit) if limit is not None else None
+            runner = _loop_of(self)
+            futures = {
+                runner.submit(self._async_outcome(log, md, slots)): row
+                for row, (log, md) in enumerate(zip(logs, metadata))
+            }
+        elif type(self).step_sample is SampleEnvironment.step_sample:
+            raise NotImplementedError(_MISSING.format(name=type(self).__name__))
+        elif limit is None or limit == 1 or len(logs) < 2:
+            for row, (log, md) in enumerate(zip(logs, metadata)):
+                yield row, self._sample_outcome(log, md)
+            return
+        else:
+            pool = ThreadPoolExecutor(min(limit, len(logs)), "envloop-sample")
+            futures = {
+                pool.submit(self._sample_outcome, log, md): row
+                for row, (log, md) in enumerate(zip(logs, metadata))
+            }
+            pool.shutdown(wait=False)
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
     def _sample_outcome(self, messages: LLMMessageLogType, metadata: Any) -> _Outcome:
         try:
             return _checked_step(self, "step_sample", self.step_sample(messages, metadata))
@@ -202,29 +277,34 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
         self, logs: list[LLMMessageLogType], metadata: list[Any], limit: int | None
     ) -> list[_Outcome]:
         slots = asyncio.Semaphore(limit) if limit is not None else None
+        outcomes = (self._async_outcome(log, md, slots) for log, md in zip(logs, metadata))
+        return list(await asyncio.gather(*outcomes))
 
-        async def one(messages: LLMMessageLogType, md: Any) -> _Outcome:
-            try:
-                if slots is None:
-                    step = await self.astep_sample(messages, md)
-                else:
-                    async with slots:
-                        step = await self.astep_sample(messages, md)
-                return _checked_step(self, "astep_sample", step)
-            except Exception as exc:
-                return _failure(self, "astep_sample", exc)
-
-        return list(await asyncio.gather(*(one(log, md) for log, md in zip(logs, metadata))))
+    async def _async_outcome(
+        self, messages: LLMMessageLogType, metadata: Any, slots: asyncio.Semaphore | None
+    ) -> _Outcome:
+        try:
+            if slots is None:
+                step = await self.astep_sample(messages, metadata)
+            else:
+                async with slots:
+                    step = await self.astep_sample(messages, metadata)
+            return _checked_step(self, "astep_sample", step)
+        except Exception as exc:
+            return _failure(self, "astep_sample", exc)
 
 
 def _batched_return(
-    outcomes: Sequence[SampleStep | _Failure], metadata: list[Any], observation_role: str
+    outcomes: Sequence[SampleStep | _Failure],
+    metadata: list[Any],
+    observation_role: str,
+    keep_failures: bool = False,
 ) -> EnvironmentReturn:
     """One ``EnvironmentReturn`` from B per-sample outcomes (``metadata``: the B inputs).
 
-    Raises the first sample's exception when every sample failed."""
+    Raises the first sample's exception when every sample failed, unless ``keep_failures``."""
     failures = [o for o in outcomes if isinstance(o, _Failure)]
-    if failures and len(failures) == len(outcomes):
+    if failures and len(failures) == len(outcomes) and not keep_failures:
         raise failures[0].error
     steps = [o if isinstance(o, SampleStep) else None for o in outcomes]
     errors = [o.text if isinstance(o, _Failure) else None for o in outcomes]
@@ -348,10 +428,14 @@ class _LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result (from any other thread)."""
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Start ``coro`` on the loop (from any other thread); its future."""
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("step() was called from inside astep_sample(); await instead.")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def close(self, wait: bool = False) -> None:
         """Stop the loop; its thread ends (and closes it) once the running callbacks return.
@@ -363,6 +447,16 @@ class _LoopThread:
 
 
 _LOOP_LOCK = threading.Lock()
+
+
+def _threads_of(env: SampleEnvironment[Any], limit: int) -> ThreadPoolExecutor:
+    """``env``'s threads for ``step_sample`` calls of :meth:`SampleEnvironment.astep_stream`,
+    started on first use (``limit`` of them)."""
+    with _LOOP_LOCK:
+        threads = env.__dict__.get("_sample_threads")
+        if threads is None:
+            threads = env.__dict__["_sample_threads"] = ThreadPoolExecutor(limit, "envloop-sample")
+        return threads
 
 
 def _loop_of(env: SampleEnvironment[Any]) -> _LoopThread:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.experience.env_dispatch import EnvDispatcher, check_tasks_have_envs
+from envloop.experience.env_dispatch import EnvDispatcher, GroupResult, check_tasks_have_envs
 from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics, rollout_progress
 from envloop.experience.rollout_options import AsyncRolloutOptions
 from envloop.experience.rollout_results import final_rows
@@ -176,7 +176,7 @@ class _Engine:
         """Run every sample to its end; yields each sample's index as it finishes."""
         self.finished: asyncio.Queue[int | BaseException] = asyncio.Queue()
         self.waiting = deque(range(self.state.size))  # not yet admitted, in input order
-        self.in_flight, self.tasks = 0, set()
+        self.in_flight, self.tasks = 0, set[asyncio.Future[None]]()
         self.generation = _Stage(
             self._generate, self.options, self._spawn, serial=not self.streams_outputs
         )
@@ -248,19 +248,44 @@ class _Engine:
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each
-        on to its next turn or out."""
+        on to its next turn or out: as soon as its own result comes when the environment
+        streams them (``step_stream``), else when the call returns."""
         state, task = self.state, self.state.task_names[samples[0]]
+        eos = dict(zip(samples, ended_with_eos))
+        loop = asyncio.get_running_loop()
         with self.timer.phase("env_step"):
-            results = await asyncio.get_running_loop().run_in_executor(
+            if self.dispatcher.streams(task):
+
+                def deliver(result: GroupResult) -> None:  # on the call's thread
+                    loop.call_soon_threadsafe(self._take_streamed, result, eos)
+
+                await loop.run_in_executor(
+                    self.env_threads,
+                    self.dispatcher.step_stream, task, samples, state.env_views,
+                    state.metadata, deliver,
+                )  # fmt: skip
+                return
+            results = await loop.run_in_executor(
                 self.env_threads,
                 self.dispatcher.step, {task: samples}, state.env_views, state.metadata,
             )  # fmt: skip
-        eos = dict(zip(samples, ended_with_eos))
-        take_env_results(state, results, eos, self.tokenizer, self.renderer, self.timer)
+        self._take_env_results(results, eos)
+
+    def _take_streamed(self, result: GroupResult, eos: dict[int, bool]) -> None:
+        """:meth:`_take_env_results` as an event loop callback, whose exceptions would
+        otherwise only be logged: the rollout raises them."""
+        try:
+            self._take_env_results([result], eos)
+        except BaseException as exc:
+            self.finished.put_nowait(exc)
+
+    def _take_env_results(self, results: list[GroupResult], eos: dict[int, bool]) -> None:
+        take_env_results(self.state, results, eos, self.tokenizer, self.renderer, self.timer)
         if self.options.on_turn is not None:
-            self.options.on_turn(rollout_progress(state, self.timer))
-        for i in samples:
-            self._next_turn(i)
+            self.options.on_turn(rollout_progress(self.state, self.timer))
+        for result in results:
+            for i in result.indices:
+                self._next_turn(i)
 
 
 class _Stage:

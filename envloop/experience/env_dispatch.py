@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import copy
 import math
+import queue
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -112,6 +115,93 @@ class EnvDispatcher:
             results += self._split_sample_errors(result)
         return results
 
+    def streams(self, task: str) -> bool:
+        """Whether ``task``'s environment hands back each sample as it finishes
+        (``step_stream``, as every :class:`SampleEnvironment` does, in process or as an
+        actor)."""
+        return hasattr(self.task_to_env[task], "step_stream")
+
+    def step_stream(
+        self,
+        task: str,
+        samples: list[int],
+        env_logs: list[list[dict]],
+        metadata: list[Any],
+        deliver: Callable[[GroupResult], None],
+    ) -> None:
+        """Step ``task``'s environment on ``samples`` (one call, see :meth:`streams`) and
+        ``deliver`` each sample's result the moment it comes: the timeout, retries after
+        an actor restart, contract checks and error policy of :meth:`step`, per sample (a
+        timeout or a step that raised fails the samples not delivered yet)."""
+        self.wait_until_started({task: samples})
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        left = list(range(len(samples)))
+        for attempt in range(self.max_retries + 1):
+            rows = list(left)  # this attempt's call steps these, in this order
+            try:
+                for j, value in self._stream(task, rows, samples, env_logs, metadata, deadline):
+                    row = rows[j]
+                    left.remove(row)
+                    result = GroupResult(task, [samples[row]])
+                    try:
+                        result.result = _validated(task, value, 1)
+                    except _ContractError as exc:
+                        result.error = self._failure(task, exc)
+                    for part in self._split_sample_errors(result):
+                        deliver(part)
+                return
+            except Exception as exc:
+                if attempt < self.max_retries and isinstance(exc, RayActorError):
+                    continue
+                deliver(
+                    GroupResult(task, [samples[r] for r in left], error=self._failure(task, exc))
+                )
+                return
+
+    def _stream(
+        self,
+        task: str,
+        rows: list[int],
+        samples: list[int],
+        env_logs: list[list[dict]],
+        metadata: list[Any],
+        deadline: float | None,
+    ) -> Iterator[tuple[int, Any]]:
+        """``(position in rows, return)`` from one ``step_stream`` call, as they come;
+        raises TimeoutError at ``deadline``."""
+        env = self.task_to_env[task]
+        logs = [env_logs[samples[r]] for r in rows]
+        mds = [metadata[samples[r]] for r in rows]
+        if is_actor(env):
+            stream = env.astep_stream.options(num_returns="streaming").remote(logs, mds)
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait([stream], timeout=remaining)
+                if not ready:
+                    ray.cancel(stream)
+                    raise TimeoutError
+                try:
+                    ref = next(stream)
+                except StopIteration:
+                    return
+                yield ray.get(ref)
+        items: queue.Queue[tuple[int, Any] | BaseException | None] = queue.Queue()
+        stream = env.step_stream(copy.deepcopy(logs), copy.deepcopy(mds))
+        # A daemon thread: one stuck on a sample that overran the timeout must not keep
+        # the interpreter from exiting (a pool's threads are joined at exit).
+        threading.Thread(target=_drain_into, args=(stream, items), daemon=True).start()
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = items.get(timeout=remaining)
+            except queue.Empty:
+                raise TimeoutError from None
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
     def shutdown(self) -> None:
         """Stop the thread pool without waiting for steps that overran their timeout."""
         if self._pool is not None:
@@ -134,9 +224,9 @@ class EnvDispatcher:
         env = self.task_to_env[task]
         if is_actor(env):
             return env.step.remote(logs, metadata)
+        # Copies, so an in-process environment sees what an actor would: its own objects.
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_threads, thread_name_prefix="envloop-env")
-        # Copies, so an in-process environment sees what an actor would: its own objects.
         return self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
 
     def _collect(
@@ -240,6 +330,18 @@ def _wait(handle: Any, deadline: float | None) -> Any:
     except GetTimeoutError:
         ray.cancel(handle)
         raise
+
+
+def _drain_into(
+    stream: Iterator[tuple[int, Any]], items: queue.Queue[tuple[int, Any] | BaseException | None]
+) -> None:
+    """Put each item of ``stream`` into ``items``, then None (or the exception it raised)."""
+    try:
+        for item in stream:
+            items.put(item)
+        items.put(None)
+    except BaseException as exc:
+        items.put(exc)
 
 
 def _format_exception(exc: BaseException) -> str:

@@ -445,3 +445,70 @@ def test_as_a_ray_actor(ray_session, tiny_tokenizer, env_class):
     finally:
         ray_session.get(actor.shutdown.remote())
         ray_session.kill(actor)
+
+
+# --- streaming: each sample as it finishes ---------------------------------------------------
+
+
+class Ordered(SampleEnvironment):
+    """Sample ``i`` finishes only after sample ``metadata`` (its predecessor in a chain)."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, asyncio.Event] = {}
+
+    async def astep_sample(self, messages, metadata):
+        me, after = metadata
+        event = self.done.setdefault(me, asyncio.Event())
+        if after is not None:
+            await asyncio.wait_for(self.done.setdefault(after, asyncio.Event()).wait(), 30)
+        if me == 1:
+            raise KeyError("sample one fails")
+        event.set()
+        return SampleStep(f"done {me}", float(me), True, metadata={"me": me})
+
+
+def test_step_stream_yields_each_sample_as_it_finishes_with_failures_as_data():
+    env = Ordered()
+    chain = [(0, 2), (1, None), (2, 3), (3, None)]  # finish order: 1 (fails), 3, 2, 0
+    try:
+        items = list(env.step_stream([log("x")] * 4, chain))
+    finally:
+        env.shutdown()
+    rows = [row for row, _ in items]
+    assert rows[0] in (1, 3) and rows.index(3) < rows.index(2) < rows.index(0)
+    returns = dict(items)
+    for row in (0, 2, 3):
+        ret = returns[row]
+        assert env_return_problems(ret, 1) == [] and ret.errors is None
+        assert ret.observations == [{"role": "environment", "content": f"done {row}"}]
+        assert ret.rewards.tolist() == [float(row)] and ret.metadata == [{"me": row}]
+    failed = returns[1]
+    assert failed.errors is not None and "sample one fails" in failed.errors[0]
+    assert failed.terminateds.tolist() == [True] and failed.metadata == [(1, None)]
+
+
+def test_step_stream_of_sync_samples_keeps_their_order_or_their_threads_finish_order():
+    ret = list(Threaded().step_stream([log("x")] * 3, [0.0, 1.0, 2.0]))
+    assert sorted(row for row, _ in ret) == [0, 1, 2]
+    plain = list(SecretWordEnv().step_stream(CHECK_LOGS, CHECK_METADATA))
+    assert [row for row, _ in plain] == [0, 1]
+    assert [r.rewards.tolist() for _, r in plain] == [[1.0], [0.0]]
+
+
+def test_astep_stream_yields_what_step_stream_yields():
+    async def collect(env, logs, metadata):
+        return [item async for item in env.astep_stream(logs, metadata)]
+
+    env = Ordered()
+    chain = [(0, 2), (1, None), (2, 3), (3, None)]
+    try:
+        streamed = dict(asyncio.run(collect(env, [log("x")] * 4, chain)))
+    finally:
+        env.shutdown()
+    assert sorted(streamed) == [0, 1, 2, 3]
+    assert [streamed[r].rewards.tolist() for r in (0, 2, 3)] == [[0.0], [2.0], [3.0]]
+    assert "sample one fails" in streamed[1].errors[0]
+    threaded = dict(asyncio.run(collect(Threaded(), [log("x")] * 3, [0.0, 1.0, 2.0])))
+    assert [threaded[r].rewards.tolist() for r in range(3)] == [[0.0], [1.0], [2.0]]
+    plain = asyncio.run(collect(SecretWordEnv(), CHECK_LOGS, CHECK_METADATA))
+    assert [(row, r.rewards.tolist()) for row, r in plain] == [(0, [1.0]), (1, [0.0])]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from envloop.config.errors import ConfigError
+from envloop.environments import SampleEnvironment, SampleStep
 from envloop.environments.games.sliding_puzzle import (
     SlidingPuzzleEnv,
     initial_prompt,
@@ -176,6 +177,50 @@ def test_a_sample_waiting_on_another_does_not_stop_it(tiny_tokenizer):
     )
     assert final["env_error"] == [None, None]
     assert final["num_turns"].tolist() == [1, 5]
+
+
+class WaiterAndRunner(SampleEnvironment):
+    """The ``waiter`` sample's step returns only once the ``runner`` sample has finished
+    three turns; both are this one task's samples, so they share its first call."""
+
+    max_concurrent_samples = 2
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def step_sample(self, messages, metadata):
+        if metadata["role"] == "waiter":
+            if not self.release.wait(timeout=60):
+                raise TimeoutError("the runner never finished three turns: a barrier")
+            return SampleStep("released", reward=1.0, terminated=True)
+        turns = metadata["turns"] + 1
+        if turns == 3:
+            self.release.set()
+        return SampleStep(
+            f"turn {turns}",
+            reward=0.0,
+            terminated=turns == 4,
+            metadata={**metadata, "turns": turns},
+        )
+
+
+def test_samples_sharing_an_environment_call_go_on_as_each_finishes(tiny_tokenizer):
+    """A per-sample environment hands back each sample of a call as it finishes: the runner
+    takes three more turns while the waiter, from the same call, is still stepping."""
+    samples = [
+        {"task": "pair", "prompt": "Wait.", "metadata": {"role": "waiter"}},
+        {"task": "pair", "prompt": "Run.", "metadata": {"role": "runner", "turns": 0}},
+    ]
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    final, _ = asyncio.run(
+        run_async_multi_turn_rollout(
+            policy, make_batch(tiny_tokenizer, samples), tiny_tokenizer,
+            {"pair": WaiterAndRunner()}, 512,
+        )
+    )  # fmt: skip
+    assert final["env_error"] == [None, None]
+    assert final["num_turns"].tolist() == [1, 4]
+    assert final["total_reward"].tolist() == [1.0, 0.0]
 
 
 class AllTogether(EchoEnv):

@@ -25,6 +25,7 @@ from tests.fixtures.envs import (
     SlowEnv,
 )
 from tests.fixtures.restart_envs import DieOnceSlowRestartEnv
+from tests.fixtures.sample_envs import HandshakeSampleEnv, SleepySampleEnv
 
 TASKS = ["b", "a", "b", "a", "c"]
 LOGS = [[{"role": "user", "content": f"q{i}"}] for i in range(5)]
@@ -346,3 +347,67 @@ def test_a_constructor_error_surfaces_as_the_groups_first_step_error(actors):
 def test_an_infinite_timeout_is_no_limit(actors):
     [result] = step({"a": actors(EchoEnv)}, ["a"], timeout_s=float("inf"))
     assert result.error is None, result.error.splitlines()[-1]
+
+
+# Streaming per sample (SampleEnvironment.step_stream)
+
+
+def stream_all(env, sleeps: list[float], timeout_s: float | None = None) -> list[GroupResult]:
+    """Step ``env`` as task ``s`` on one sample per sleep; every delivered result, in order."""
+    dispatcher = EnvDispatcher({"s": env}, timeout_s=timeout_s)
+    delivered: list[GroupResult] = []
+    try:
+        assert dispatcher.streams("s")
+        samples = list(range(len(sleeps)))
+        metadata = [{"sleep_s": s} for s in sleeps]
+        dispatcher.step_stream("s", samples, LOGS[: len(sleeps)], metadata, delivered.append)
+    finally:
+        dispatcher.shutdown()
+    return delivered
+
+
+def assert_late_sample_timed_out_alone(delivered: list[GroupResult]) -> None:
+    assert sorted(r.indices[0] for r in delivered[:2]) == [0, 2]
+    assert all(r.result is not None and r.result.rewards.tolist() == [1.0] for r in delivered[:2])
+    (late,) = delivered[2:]
+    assert late.indices == [1] and late.result is None
+    assert late.error == "env s.step timed out after 2.0 s"
+
+
+def test_a_streaming_environment_delivers_each_sample_and_times_out_only_the_late_one():
+    env = SleepySampleEnv()
+    try:
+        assert_late_sample_timed_out_alone(stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0))
+    finally:
+        env.shutdown()
+
+
+def test_a_batched_environment_does_not_stream():
+    assert not EnvDispatcher({"e": EchoEnv()}).streams("e")
+
+
+@pytest.mark.ray
+def test_a_streaming_actor_delivers_each_sample_and_times_out_only_the_late_one(actors):
+    env = actors(SleepySampleEnv)
+    assert_late_sample_timed_out_alone(stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0))
+
+
+@pytest.mark.ray
+def test_calls_to_one_streaming_actor_overlap(actors):
+    """The first call's sample waits for the second call's: both finish only if the actor
+    runs the two calls at once."""
+    env = actors(HandshakeSampleEnv)
+    dispatcher = EnvDispatcher({"h": env}, timeout_s=60)
+    delivered: dict[str, list[GroupResult]] = {"wait": [], "set": []}
+
+    def call(role: str, sample: int) -> None:
+        logs, metadata = [[], []], [role, role]
+        dispatcher.step_stream("h", [sample], logs, metadata, delivered[role].append)
+
+    waiting = threading.Thread(target=call, args=("wait", 0))
+    waiting.start()
+    call("set", 1)
+    waiting.join()
+    for role in ("wait", "set"):
+        (result,) = delivered[role]
+        assert result.error is None and result.result.observations[0]["content"] == role
