@@ -39,7 +39,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -171,17 +171,18 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
 
     def step_stream(
         self, message_log_batch: list[LLMMessageLogType], metadata: list[Any]
-    ) -> Iterator[tuple[int, EnvironmentReturn]]:
-        """Step every sample as :meth:`step` does, yielding ``(row, one-sample return)`` as
-        each sample finishes (the async engine hands it on at once). A sample that failed
-        comes as a return with its error text in ``errors``, never as an exception."""
+    ) -> Iterator[tuple[list[int], EnvironmentReturn]]:
+        """Step every sample as :meth:`step` does, yielding ``(rows, their return)`` as
+        samples finish, those that finished together in one item (the async engine hands
+        them on at once). A sample that failed comes with its error text in ``errors``,
+        never as an exception."""
         logs, metadata = list(message_log_batch), list(metadata)
-        for row, outcome in self._outcomes_as_finished(logs, metadata):
-            yield row, _batched_return([outcome], [metadata[row]], self.observation_role, True)
+        for finished in self._outcomes_as_finished(logs, metadata):
+            yield self._stream_item(finished, metadata)
 
     async def astep_stream(
         self, message_log_batch: list[LLMMessageLogType], metadata: list[Any]
-    ) -> AsyncIterator[tuple[int, EnvironmentReturn]]:
+    ) -> AsyncIterator[tuple[list[int], EnvironmentReturn]]:
         """:meth:`step_stream` for an event loop (a Ray actor's: the async engine calls this
         one there), so that calls overlap. ``astep_sample`` samples run on the environment's
         own loop, as in ``step``; ``step_sample`` samples run on threads of the
@@ -207,10 +208,16 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
             }
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for future in sorted(done, key=pending.__getitem__):
-                row = pending.pop(future)
-                outcome = future.result()
-                yield row, _batched_return([outcome], [metadata[row]], self.observation_role, True)
+            finished = sorted((pending.pop(f), f.result()) for f in done)
+            yield self._stream_item(finished, metadata)
+
+    def _stream_item(
+        self, finished: list[tuple[int, _Outcome]], metadata: list[Any]
+    ) -> tuple[list[int], EnvironmentReturn]:
+        rows = [row for row, _ in finished]
+        outcomes = [outcome for _, outcome in finished]
+        ret = _batched_return(outcomes, [metadata[r] for r in rows], self.observation_role, True)
+        return rows, ret
 
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
@@ -240,9 +247,9 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
 
     def _outcomes_as_finished(
         self, logs: list[LLMMessageLogType], metadata: list[Any]
-    ) -> Iterator[tuple[int, _Outcome]]:
-        """``(row, outcome)`` per sample in the order they finish, run as :meth:`_outcomes`
-        runs them."""
+    ) -> Iterator[list[tuple[int, _Outcome]]]:
+        """``(row, outcome)`` of the samples that finished together, in the order they
+        finish, run as :meth:`_outcomes` runs them."""
         limit = _checked_limit(self)
         if getattr(type(self), "astep_sample", None) is not None:
             slots = asyncio.Semaphore(limit) if limit is not None else None
@@ -255,7 +262,7 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
             raise NotImplementedError(_MISSING.format(name=type(self).__name__))
         elif limit is None or limit == 1 or len(logs) < 2:
             for row, (log, md) in enumerate(zip(logs, metadata)):
-                yield row, self._sample_outcome(log, md)
+                yield [(row, self._sample_outcome(log, md))]
             return
         else:
             pool = ThreadPoolExecutor(min(limit, len(logs)), "envloop-sample")
@@ -264,8 +271,10 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
                 for row, (log, md) in enumerate(zip(logs, metadata))
             }
             pool.shutdown(wait=False)
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            yield sorted((futures[f], f.result()) for f in done)
 
     def _sample_outcome(self, messages: LLMMessageLogType, metadata: Any) -> _Outcome:
         try:

@@ -139,12 +139,15 @@ class EnvDispatcher:
         for attempt in range(self.max_retries + 1):
             rows = list(left)  # this attempt's call steps these, in this order
             try:
-                for j, value in self._stream(task, rows, samples, env_logs, metadata, deadline):
-                    row = rows[j]
-                    left.remove(row)
-                    result = GroupResult(task, [samples[row]])
+                for positions, value in self._stream(
+                    task, rows, samples, env_logs, metadata, deadline
+                ):
+                    done = [rows[p] for p in positions]
+                    for row in done:
+                        left.remove(row)
+                    result = GroupResult(task, [samples[r] for r in done])
                     try:
-                        result.result = _validated(task, value, 1)
+                        result.result = _validated(task, value, len(done))
                     except _ContractError as exc:
                         result.error = self._failure(task, exc)
                     for part in self._split_sample_errors(result):
@@ -166,8 +169,8 @@ class EnvDispatcher:
         env_logs: list[list[dict]],
         metadata: list[Any],
         deadline: float | None,
-    ) -> Iterator[tuple[int, Any]]:
-        """``(position in rows, return)`` from one ``step_stream`` call, as they come;
+    ) -> Iterator[tuple[list[int], Any]]:
+        """``(positions in rows, their return)`` from one ``step_stream`` call, as they come;
         raises TimeoutError at ``deadline``."""
         env = self.task_to_env[task]
         logs = [env_logs[samples[r]] for r in rows]
@@ -185,7 +188,7 @@ class EnvDispatcher:
                 except StopIteration:
                     return
                 yield ray.get(ref)
-        items: queue.Queue[tuple[int, Any] | BaseException | None] = queue.Queue()
+        items: queue.Queue[tuple[list[int], Any] | BaseException | None] = queue.Queue()
         stream = env.step_stream(copy.deepcopy(logs), copy.deepcopy(mds))
         # A daemon thread: one stuck on a sample that overran the timeout must not keep
         # the interpreter from exiting (a pool's threads are joined at exit).
@@ -333,7 +336,8 @@ def _wait(handle: Any, deadline: float | None) -> Any:
 
 
 def _drain_into(
-    stream: Iterator[tuple[int, Any]], items: queue.Queue[tuple[int, Any] | BaseException | None]
+    stream: Iterator[tuple[list[int], Any]],
+    items: queue.Queue[tuple[list[int], Any] | BaseException | None],
 ) -> None:
     """Put each item of ``stream`` into ``items``, then None (or the exception it raised)."""
     try:

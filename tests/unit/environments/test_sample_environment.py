@@ -467,19 +467,34 @@ class Ordered(SampleEnvironment):
         return SampleStep(f"done {me}", float(me), True, metadata={"me": me})
 
 
-def test_step_stream_yields_each_sample_as_it_finishes_with_failures_as_data():
-    env = Ordered()
-    chain = [(0, 2), (1, None), (2, 3), (3, None)]  # finish order: 1 (fails), 3, 2, 0
-    try:
-        items = list(env.step_stream([log("x")] * 4, chain))
-    finally:
-        env.shutdown()
-    rows = [row for row, _ in items]
-    assert rows[0] in (1, 3) and rows.index(3) < rows.index(2) < rows.index(0)
-    returns = dict(items)
+def per_row(items) -> tuple[list[int], dict[int, EnvironmentReturn]]:
+    """The rows in the order they came, and each row's own one-row return."""
+    order, returns = [], {}
+    for rows, ret in items:
+        assert env_return_problems(ret, len(rows)) == [] and rows == sorted(rows)
+        for j, row in enumerate(rows):
+            order.append(row)
+            returns[row] = select_one(ret, j)
+    return order, returns
+
+
+def select_one(ret: EnvironmentReturn, j: int) -> EnvironmentReturn:
+    return EnvironmentReturn(
+        [ret.observations[j]], [ret.metadata[j]], [ret.next_stop_strings[j]],
+        ret.rewards[j : j + 1], ret.terminateds[j : j + 1],
+        None if ret.answers is None else [ret.answers[j]],
+        None if ret.errors is None else [ret.errors[j]],
+    )  # fmt: skip
+
+
+def assert_chain_streamed(items) -> None:
+    order, returns = per_row(items)
+    item_of = {row: k for k, (rows, _) in enumerate(items) for row in rows}
+    assert sorted(order) == [0, 1, 2, 3]
+    assert item_of[3] <= item_of[2] <= item_of[0]  # never before the sample it waits for
     for row in (0, 2, 3):
         ret = returns[row]
-        assert env_return_problems(ret, 1) == [] and ret.errors is None
+        assert ret.errors in (None, [None])
         assert ret.observations == [{"role": "environment", "content": f"done {row}"}]
         assert ret.rewards.tolist() == [float(row)] and ret.metadata == [{"me": row}]
     failed = returns[1]
@@ -487,12 +502,15 @@ def test_step_stream_yields_each_sample_as_it_finishes_with_failures_as_data():
     assert failed.terminateds.tolist() == [True] and failed.metadata == [(1, None)]
 
 
-def test_step_stream_of_sync_samples_keeps_their_order_or_their_threads_finish_order():
-    ret = list(Threaded().step_stream([log("x")] * 3, [0.0, 1.0, 2.0]))
-    assert sorted(row for row, _ in ret) == [0, 1, 2]
-    plain = list(SecretWordEnv().step_stream(CHECK_LOGS, CHECK_METADATA))
-    assert [row for row, _ in plain] == [0, 1]
-    assert [r.rewards.tolist() for _, r in plain] == [[1.0], [0.0]]
+CHAIN = [(0, 2), (1, None), (2, 3), (3, None)]  # finish order: 1 (fails), 3, 2, 0
+
+
+def test_step_stream_yields_samples_as_they_finish_with_failures_as_data():
+    env = Ordered()
+    try:
+        assert_chain_streamed(list(env.step_stream([log("x")] * 4, CHAIN)))
+    finally:
+        env.shutdown()
 
 
 def test_astep_stream_yields_what_step_stream_yields():
@@ -500,15 +518,21 @@ def test_astep_stream_yields_what_step_stream_yields():
         return [item async for item in env.astep_stream(logs, metadata)]
 
     env = Ordered()
-    chain = [(0, 2), (1, None), (2, 3), (3, None)]
     try:
-        streamed = dict(asyncio.run(collect(env, [log("x")] * 4, chain)))
+        assert_chain_streamed(asyncio.run(collect(env, [log("x")] * 4, CHAIN)))
     finally:
         env.shutdown()
-    assert sorted(streamed) == [0, 1, 2, 3]
-    assert [streamed[r].rewards.tolist() for r in (0, 2, 3)] == [[0.0], [2.0], [3.0]]
-    assert "sample one fails" in streamed[1].errors[0]
-    threaded = dict(asyncio.run(collect(Threaded(), [log("x")] * 3, [0.0, 1.0, 2.0])))
-    assert [threaded[r].rewards.tolist() for r in range(3)] == [[0.0], [1.0], [2.0]]
-    plain = asyncio.run(collect(SecretWordEnv(), CHECK_LOGS, CHECK_METADATA))
-    assert [(row, r.rewards.tolist()) for row, r in plain] == [(0, [1.0]), (1, [0.0])]
+    for streamed in (
+        asyncio.run(collect(Threaded(), [log("x")] * 3, [0.0, 1.0, 2.0])),
+        list(Threaded().step_stream([log("x")] * 3, [0.0, 1.0, 2.0])),
+    ):
+        order, returns = per_row(streamed)
+        assert sorted(order) == [0, 1, 2]
+        assert [returns[r].rewards.tolist() for r in range(3)] == [[0.0], [1.0], [2.0]]
+    for streamed in (
+        asyncio.run(collect(SecretWordEnv(), CHECK_LOGS, CHECK_METADATA)),
+        list(SecretWordEnv().step_stream(CHECK_LOGS, CHECK_METADATA)),
+    ):
+        order, returns = per_row(streamed)
+        assert order == [0, 1]  # one sample at a time, in order
+        assert [returns[r].rewards.tolist() for r in order] == [[1.0], [0.0]]
