@@ -179,11 +179,25 @@ class HfGeneration(GenerationInterface):
         budgets = sample_budgets(batch, self.config.max_new_tokens)
         return batch, self._batcher.submit(prompts, budgets, stops, greedy)
 
-    def _stream_rows(
+    async def _stream_rows(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
-    ) -> Iterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
-        """:meth:`iter_generate` as a generator function (what Ray streams from a worker)."""
-        yield from self.iter_generate(data, greedy)
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """:meth:`generate_async` under the name a worker pool streams from. A worker actor
+        is an asyncio actor (this class has async methods), so its calls must await: a
+        blocking one would hold its event loop, and every other call would wait."""
+        async for item in self.generate_async(data, greedy):
+            yield item
+
+    async def _generate_awaiting(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """:meth:`generate` for a worker actor: awaits its rows instead of blocking."""
+        batch, jobs = self._submit(data, greedy)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for _, f in jobs))
+        finally:
+            _abandon(jobs)
+        return build_output(batch["input_ids"], batch["input_lengths"], results, self.pad_id)
 
     def _as_finished(
         self,

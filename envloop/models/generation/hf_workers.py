@@ -3,8 +3,8 @@
 A batch given to ``generate`` is split into contiguous shards, one per worker. Rows given to
 ``generate_async`` go one by one to the worker with the fewest rows outstanding (sent by this
 process and not yet returned), and come back as each finishes: every worker runs its own
-continuous batching loop, and the actors are threaded so that the calls of many concurrent
-``generate_async`` consumers reach that loop together.
+continuous batching loop. The actors are asyncio actors whose methods await their rows, so
+the calls of many concurrent consumers are served at once and share that loop.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 
 WORKER_MAX_CONCURRENCY = 1024
-"""Calls a worker actor runs at once (threads that wait on its decode loop)."""
+"""Calls a worker actor serves at once (each awaits its rows from the decode loop)."""
 
 
 class WorkerPool:
@@ -67,7 +67,7 @@ class WorkerPool:
 
         shards = data.shard_by_batch_size(len(self.workers), allow_uneven_shards=True)
         jobs = [(w, s) for w, s in zip(self.workers, shards) if s.size] or [(self.workers[0], data)]
-        outputs = ray.get([worker.generate.remote(shard, greedy) for worker, shard in jobs])
+        outputs = ray.get([w._generate_awaiting.remote(shard, greedy) for w, shard in jobs])
         return BatchedDataDict.from_batches(outputs, self.pad_values)
 
     async def generate_async(
