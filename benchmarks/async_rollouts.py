@@ -130,7 +130,8 @@ def overhead_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
     return [
         *lines,
         "",
-        "(async env_step is summed over concurrent calls, so its phases overlap.) The async "
+        "(A phase counts the wall time during which at least one of its calls ran; async phases "
+        "overlap one another.) The async "
         "engine returned straight from `asyncio.run(run_async_multi_turn_rollout(...))`, one "
         f"run: {direct['total overhead']:.1f} µs per sample-turn, "
         f"{direct['total overhead'] / sync_total:.2f}x sync (Python {platform.python_version()}"

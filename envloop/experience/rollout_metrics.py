@@ -28,26 +28,35 @@ TIMING_PHASES = (
 
 
 class PhaseTimer:
-    """Accumulates wall-clock seconds per named phase.
+    """Accumulates wall-clock seconds per named phase. Phases of one name that overlap (the
+    async engine's concurrent generation or environment calls) count once: a phase's
+    seconds are those during which at least one of its kind was under way.
 
     >>> timer = PhaseTimer()
-    >>> with timer.phase("flatten"):
-    ...     pass
-    >>> sorted(timer.seconds) == ["flatten"]
-    True
+    >>> with timer.phase("env_step"):
+    ...     with timer.phase("env_step"):  # a second call while the first runs
+    ...         pass
+    >>> list(timer.seconds), timer.seconds["env_step"] < 1.0
+    (['env_step'], True)
     """
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.started = time.perf_counter()
+        self._running: dict[str, int] = defaultdict(int)
+        self._since: dict[str, float] = {}
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        if not self._running[name]:
+            self._since[name] = time.perf_counter()
+        self._running[name] += 1
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            self._running[name] -= 1
+            if not self._running[name]:
+                self.seconds[name] += time.perf_counter() - self._since[name]
 
 
 @dataclass(frozen=True)
