@@ -11,6 +11,7 @@ share the same steps.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,7 +62,7 @@ class ContinuousBatcher:
         model: the causal LM (already on its device, in eval mode).
         tokenizer: its tokenizer, for stop strings.
         settings: sampling settings and EOS / pad ids shared by every row.
-        generator: the sampling generator (used only by the loop's thread).
+        generator: seeds each sampled request's own random stream (drawn at submission).
         capacity: most rows decoded together.
         on_step: called on the loop's thread after every step with the number of tokens it
             generated.
@@ -97,9 +98,12 @@ class ContinuousBatcher:
         waiting for a request, set its ``abandoned`` (or cancel its future before it runs).
         """
         jobs = []
-        for prompt, budget, stops in zip(prompts, budgets, stop_strings):
+        with self._lock:  # seeds drawn in submission order: the same calls, the same seeds
+            seeds = [] if greedy else _seeds(self.generator, len(prompts))
+        for k, (prompt, budget, stops) in enumerate(zip(prompts, budgets, stop_strings)):
             stop = StopWatcher(stops, self._token_bytes, self.tokenizer) if stops else None
-            jobs.append(_Job(DecodeRequest(prompt, budget, greedy, stop), Future()))
+            rng = None if greedy else random.Random(seeds[k])
+            jobs.append(_Job(DecodeRequest(prompt, budget, greedy, rng, stop), Future()))
         with self._lock:
             self.stats.requests += len(jobs)
             for job in jobs:
@@ -113,7 +117,7 @@ class ContinuousBatcher:
         return [(job.request, job.future) for job in jobs]
 
     def _loop(self) -> None:
-        batch = DecodeBatch(self.model, self.settings, self.generator)
+        batch = DecodeBatch(self.model, self.settings)
         futures: dict[DecodeRequest, Future[SampleResult]] = {}
         try:
             with torch.no_grad():
@@ -168,3 +172,9 @@ class ContinuousBatcher:
         futures.update((job.request, job.future) for job in jobs)
         self.stats.prefills += 1
         self.stats.peak_rows = max(self.stats.peak_rows, len(batch))
+
+
+def _seeds(generator: torch.Generator, count: int) -> list[int]:
+    """``count`` 62-bit seeds from ``generator``."""
+    seeds = torch.randint(0, 2**62, (count,), generator=generator, device=generator.device)
+    return [int(seed) for seed in seeds.tolist()]

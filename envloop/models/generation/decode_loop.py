@@ -11,6 +11,7 @@ longest row still running.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -19,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from envloop.models.generation.sampling import choose_tokens, sampling_logprobs
+from envloop.models.generation.sampling import choose_tokens, draw_tokens, sampling_logprobs
 from envloop.models.generation.stop_strings import StopWatcher
 
 
@@ -61,6 +62,10 @@ class DecodeRequest:
     """Most tokens to generate (>= 1)."""
     greedy: bool
     """Argmax of the filtered distribution instead of a draw from it."""
+    rng: random.Random | None = None
+    """The row's own random stream (draws one uniform per token); required unless greedy.
+    A row's tokens then depend only on its seed and its distributions, not on which rows
+    share its steps."""
     stop: StopWatcher | None = None
     """Watches the row's text for its stop strings; None: EOS and budget only."""
     result: SampleResult = field(default_factory=SampleResult)
@@ -72,8 +77,8 @@ class DecodeRequest:
 class DecodeBatch:
     """Rows decoded together, one token each per :meth:`step`."""
 
-    def __init__(self, model: Any, settings: DecodeSettings, generator: torch.Generator) -> None:
-        self.model, self.settings, self.generator = model, settings, generator
+    def __init__(self, model: Any, settings: DecodeSettings) -> None:
+        self.model, self.settings = model, settings
         self.rows: list[DecodeRequest] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)
@@ -116,7 +121,7 @@ class DecodeBatch:
         and those abandoned, and run the model on the rest."""
         s = self.settings
         logprobs = sampling_logprobs(self.logits, s.temperature, s.top_k, s.top_p)
-        tokens, token_logprobs = _choose(logprobs, [r.greedy for r in self.rows], self.generator)
+        tokens, token_logprobs = _choose(logprobs, self.rows)
         finished, keep = [], []
         for k, (row, token, logprob) in enumerate(
             zip(self.rows, tokens.tolist(), token_logprobs.tolist())
@@ -180,17 +185,16 @@ def _ends(row: DecodeRequest, token: int, eos_ids: frozenset[int]) -> bool:
     return False
 
 
-def _choose(
-    logprobs: torch.Tensor, greedy: list[bool], generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's token: the argmax for greedy rows, a draw for the others."""
-    if all(greedy) or not any(greedy):
-        return choose_tokens(logprobs, greedy[0], generator)
-    tokens, token_logprobs = choose_tokens(logprobs, True, None)
-    sampled = torch.tensor([not g for g in greedy], device=logprobs.device)
-    drawn, drawn_logprobs = choose_tokens(logprobs[sampled], False, generator)
-    tokens[sampled], token_logprobs[sampled] = drawn, drawn_logprobs
-    return tokens, token_logprobs
+def _choose(logprobs: torch.Tensor, rows: list[DecodeRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token: the argmax for greedy rows, a draw with the row's own uniform for
+    the others; and its log-probability."""
+    tokens, _ = choose_tokens(logprobs, True, None)
+    sampled = [k for k, row in enumerate(rows) if not row.greedy]
+    if sampled:
+        uniforms = torch.tensor([1.0 - rows[k].rng.random() for k in sampled])  # type: ignore[union-attr]
+        index = torch.tensor(sampled, device=logprobs.device)
+        tokens[index] = draw_tokens(logprobs[index], uniforms)
+    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def _left_pad(prompts: Sequence[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

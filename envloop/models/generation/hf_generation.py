@@ -56,11 +56,11 @@ class HfGeneration(GenerationInterface):
 
     Every call's rows join one decode loop of up to ``micro_batch_size`` rows, which admits
     waiting rows at every step as others finish (continuous batching), so rows of
-    concurrent ``generate_async`` calls share forward passes. The sampling generator is
-    seeded once, on construction: a fresh instance repeats the same sequence of
-    ``generate`` calls exactly, and later calls draw new samples. Sampled tokens depend on
-    which rows share a step, so concurrent calls are not reproducible; greedy ones are (up
-    to float rounding of batched matmuls).
+    concurrent ``generate_async`` calls share forward passes. Each sampled row draws from
+    a random stream of its own, seeded from the backend's generator (seeded once, on
+    construction) when the row is submitted: a fresh instance repeats the same sequence of
+    calls exactly, later calls draw new samples, and a row's tokens do not depend on which
+    rows share its steps (up to float rounding of batched matmuls, as for greedy rows).
 
     Attributes:
         config: the validated :class:`HfGenerationConfig` (given as one or as a mapping).

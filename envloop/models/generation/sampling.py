@@ -33,6 +33,21 @@ def sampling_logprobs(
     return torch.log_softmax(scaled, dim=-1)
 
 
+def draw_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Tokens [b] drawn from ``logprobs`` [b, V] by inverse transform: row i takes the first
+    token whose cumulative probability reaches ``uniforms[i]`` (in (0, 1]) of its total, so
+    each row's draw depends only on its own distribution and its own uniform.
+
+    >>> logprobs = torch.log(torch.tensor([[0.5, 0.0, 0.5], [0.1, 0.9, 0.0]]))
+    >>> draw_tokens(logprobs, torch.tensor([0.7, 0.05])).tolist()
+    [2, 0]
+    """
+    cdf = logprobs.exp().cumsum(dim=-1)
+    targets = uniforms.to(cdf.device, cdf.dtype).unsqueeze(-1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets).squeeze(-1)
+    return tokens.clamp(max=cdf.shape[-1] - 1)
+
+
 def choose_tokens(
     logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

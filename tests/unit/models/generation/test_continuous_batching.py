@@ -200,3 +200,27 @@ def test_a_sliding_window_model_admits_rows_only_when_its_batch_is_empty(
     stats = counters(policy)
     assert stats["joined_running"] == 0 and stats["prefills"] == 3 and stats["peak_rows"] == 2
     assert_rows_equal_alone(policy, out, PROMPTS, BUDGETS)
+
+
+def test_a_sampled_row_does_not_depend_on_which_rows_share_its_steps(untied_policy_dir):
+    """Each sampled row draws from its own seeded stream: the same call on a fresh instance
+    gives the same tokens whether its rows decode together, one at a time, or beside other
+    rows that join mid-way."""
+
+    def sampled(micro_batch_size: int, join_greedy_rows: bool = False):
+        policy = HfGeneration(
+            {"model_name": str(untied_policy_dir), "max_new_tokens": 16, "seed": 7,
+             "temperature": 1.5, "micro_batch_size": micro_batch_size}
+        )  # fmt: skip
+        late = []
+        if join_greedy_rows:
+            late, _ = join_at_step(policy, 2, make_batch(policy.tokenizer, PROMPTS[3:]), True)
+        out = policy.generate(make_batch(policy.tokenizer, PROMPTS[:3]), greedy=False)
+        if late:
+            rows_of(late[0])
+        return out
+
+    together = sampled(micro_batch_size=8)
+    for other in (sampled(micro_batch_size=1), sampled(8, join_greedy_rows=True)):
+        assert torch.equal(other["output_ids"], together["output_ids"])
+        torch.testing.assert_close(other["logprobs"], together["logprobs"], atol=1e-4, rtol=0)
