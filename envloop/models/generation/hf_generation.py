@@ -107,7 +107,10 @@ class HfGeneration(GenerationInterface):
             check_generation_input(data, vocab_size=None)
             return self._pool.generate(generation_columns(data), greedy)
         batch, jobs = self._submit(data, greedy)
-        results = [future.result() for _, future in jobs]
+        try:
+            results = [future.result() for _, future in jobs]
+        finally:  # interrupted: the loop drops the rows nobody will read
+            _abandon(jobs)
         return build_output(batch["input_ids"], batch["input_lengths"], results, self.pad_id)
 
     def iter_generate(
