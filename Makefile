@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint format bench clean
+.PHONY: venv test demo lint format bench clean llama-server
 
 venv: $(STAMP)
 
@@ -21,7 +21,12 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	  || { tail -n 40 $(LOG); echo "install failed; the whole log is $(LOG)"; exit 1; }
 	@touch $(STAMP)
 
-test: $(STAMP)
+# llama-server for the server tests: built once (6-25 minutes on 2 cores) into a cache folder
+# that every clone shares (~/.cache/envloop/llama.cpp-<version>; $$ENVLOOP_LLAMA_DIR overrides).
+llama-server: $(STAMP)
+	@bash scripts/build_llama_server.sh $(BIN)/python > /dev/null
+
+test: $(STAMP) llama-server
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: $(STAMP)
