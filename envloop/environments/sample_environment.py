@@ -41,7 +41,7 @@ import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -235,21 +235,20 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
             threads.shutdown(wait=False, cancel_futures=True)
 
     def _outcomes(self, logs: list[LLMMessageLogType], metadata: list[Any]) -> list[_Outcome]:
-        limit = _checked_limit(self)
-        if getattr(type(self), "astep_sample", None) is not None:
-            return _loop_of(self).run(self._gather(logs, metadata, limit))
-        if type(self).step_sample is SampleEnvironment.step_sample:
-            raise NotImplementedError(_MISSING.format(name=type(self).__name__))
-        if limit is None or limit == 1 or len(logs) < 2:
-            return [self._sample_outcome(log, md) for log, md in zip(logs, metadata)]
-        with ThreadPoolExecutor(min(limit, len(logs)), "envloop-sample") as pool:
-            return list(pool.map(self._sample_outcome, logs, metadata))
+        """Every sample's outcome, in input order (see :meth:`_outcomes_as_finished`)."""
+        outcomes: list[_Outcome | None] = [None] * len(logs)
+        for finished in self._outcomes_as_finished(logs, metadata):
+            for row, outcome in finished:
+                outcomes[row] = outcome
+        return cast(list[_Outcome], outcomes)
 
     def _outcomes_as_finished(
         self, logs: list[LLMMessageLogType], metadata: list[Any]
     ) -> Iterator[list[tuple[int, _Outcome]]]:
         """``(row, outcome)`` of the samples that finished together, in the order they
-        finish, run as :meth:`_outcomes` runs them."""
+        finish: ``astep_sample`` samples all at once on the environment's loop (at most
+        ``max_concurrent_samples`` in flight), ``step_sample`` samples one after another in
+        this thread, or over a pool of ``max_concurrent_samples`` threads when above 1."""
         limit = _checked_limit(self)
         if getattr(type(self), "astep_sample", None) is not None:
             slots = asyncio.Semaphore(limit) if limit is not None else None
@@ -281,13 +280,6 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
             return _checked_step(self, "step_sample", self.step_sample(messages, metadata))
         except Exception as exc:
             return _failure(self, "step_sample", exc)
-
-    async def _gather(
-        self, logs: list[LLMMessageLogType], metadata: list[Any], limit: int | None
-    ) -> list[_Outcome]:
-        slots = asyncio.Semaphore(limit) if limit is not None else None
-        outcomes = (self._async_outcome(log, md, slots) for log, md in zip(logs, metadata))
-        return list(await asyncio.gather(*outcomes))
 
     async def _async_outcome(
         self, messages: LLMMessageLogType, metadata: Any, slots: asyncio.Semaphore | None

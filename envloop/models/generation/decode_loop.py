@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from envloop.models.generation.sampling import choose_tokens, draw_tokens, sampling_logprobs
+from envloop.models.generation.sampling import draw_tokens, sampling_logprobs
 from envloop.models.generation.stop_strings import StopWatcher
 
 
@@ -188,7 +188,7 @@ def _ends(row: DecodeRequest, token: int, eos_ids: frozenset[int]) -> bool:
 def _choose(logprobs: torch.Tensor, rows: list[DecodeRequest]) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token: the argmax for greedy rows, a draw with the row's own uniform for
     the others; and its log-probability."""
-    tokens, _ = choose_tokens(logprobs, True, None)
+    tokens = logprobs.argmax(dim=-1)
     sampled = [k for k, row in enumerate(rows) if not row.greedy]
     if sampled:
         uniforms = torch.tensor([1.0 - rows[k].rng.random() for k in sampled])  # type: ignore[union-attr]

@@ -48,23 +48,6 @@ def draw_tokens(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return tokens.clamp(max=cdf.shape[-1] - 1)
 
 
-def choose_tokens(
-    logprobs: torch.Tensor, greedy: bool, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [b] int64 drawn from ``logprobs`` [b, V] (argmax if greedy), and their logprobs [b].
-
-    >>> logprobs = torch.log(torch.tensor([[0.1, 0.9], [0.8, 0.2]]))
-    >>> tokens, token_logprobs = choose_tokens(logprobs, greedy=True, generator=None)
-    >>> tokens.tolist(), token_logprobs.exp().tolist()
-    ([1, 0], [0.8999999761581421, 0.800000011920929])
-    """
-    if greedy:
-        tokens = logprobs.argmax(dim=-1)
-    else:
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
 def _keep_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     kth_largest = torch.topk(logits, top_k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth_largest, float("-inf"))
