@@ -244,7 +244,10 @@ class _Engine:
         with self.timer.phase("gen_bookkeeping"):
             responses = append_responses(self.state, active, gen_input, output, self.tokenizer)
         for i, eos in zip(active.tolist(), responses.ended_with_eos):
-            self.env_stages[self.state.task_names[i]].add(i, eos)
+            if self.state.generation_failed[i]:
+                self._next_turn(i)  # ends it
+            else:
+                self.env_stages[self.state.task_names[i]].add(i, eos)
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each

@@ -118,6 +118,7 @@ def rollout_metrics(
         "truncation_rate": _mean(state.truncated),
         "max_turns_reached_rate": _mean(max_turns_reached),
         "env_error_rate": _mean(state.failed),
+        "generation_error_rate": _mean(state.generation_failed),
         "mean_gen_tokens_per_sample": _mean(state.gen_tokens),
         "mean_env_tokens_per_sample": _mean(state.env_tokens),
         "mean_total_tokens_per_sample": _mean(state.tokens.lengths),

@@ -23,7 +23,7 @@ def final_rows(
     else:
         final, idx = input_batch.select_indices(indices), list(indices)
     index = torch.tensor(idx, dtype=torch.long)
-    failed = state.failed[index]
+    failed = state.failed[index] | state.generation_failed[index]
     given = final.get("loss_multiplier")
     final["message_log"] = [state.message_logs[i] for i in idx]
     final["extra_env_info"] = [state.metadata[i] for i in idx]
@@ -34,6 +34,7 @@ def final_rows(
     final["num_turns"] = state.turns[index]
     final["turn_rewards"] = [state.turn_rewards[i] for i in idx]
     final["env_error"] = [state.errors[i] for i in idx]
+    final["generation_error"] = [state.generation_errors[i] for i in idx]
     for name, totals in state.components.items():
         final[name] = totals[index]
     final["reward_components"] = [sorted(state.component_names[i]) for i in idx]

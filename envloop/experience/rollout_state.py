@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,9 @@ class RolloutState:
     truncated: torch.Tensor  # bool, reached max_seq_len
     failed: torch.Tensor  # bool, its environment step raised or timed out
     errors: list[str | None]  # the failure text of failed samples
+    generation_failed: torch.Tensor  # bool, the policy could not generate its response
+    generation_errors: list[str | None]  # the failure text of those samples
+    sample_ids: list[str]  # a key per sample, unique across rollouts (server affinity)
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # "reward/<name>" totals
     component_names: list[set[str]] = field(default_factory=list)  # each sample's own names
 
@@ -60,8 +64,8 @@ class RolloutState:
 
     @property
     def done(self) -> torch.Tensor:
-        """[B] bool: terminated, truncated, or failed."""
-        return self.terminated | self.truncated | self.failed
+        """[B] bool: terminated, truncated, or failed (environment or generation)."""
+        return self.terminated | self.truncated | self.failed | self.generation_failed
 
     def active_indices(self) -> torch.Tensor:
         """[b] int64 indices of the samples that take another turn."""
@@ -99,6 +103,9 @@ class RolloutState:
             truncated=torch.zeros(n, dtype=torch.bool),
             failed=torch.zeros(n, dtype=torch.bool),
             errors=[None] * n,
+            generation_failed=torch.zeros(n, dtype=torch.bool),
+            generation_errors=[None] * n,
+            sample_ids=_sample_ids(n),
             component_names=[set() for _ in range(n)],
         )
         state.truncated |= state.tokens.lengths >= max_seq_len
@@ -106,6 +113,12 @@ class RolloutState:
 
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+def _sample_ids(n: int) -> list[str]:
+    """``<rollout>:<index>`` keys: one rollout's samples never share another's."""
+    rollout = uuid.uuid4().hex[:12]
+    return [f"{rollout}:{i}" for i in range(n)]
 
 
 def check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
@@ -126,6 +139,7 @@ def build_generation_input(state: RolloutState, active: torch.Tensor) -> Batched
         input_lengths=input_lengths,
         stop_strings=[state.stop_strings[i] for i in active.tolist()],
         max_new_tokens=state.tokens.max_seq_len - input_lengths,
+        sample_ids=[state.sample_ids[i] for i in active.tolist()],
     )
 
 
@@ -136,18 +150,25 @@ def append_responses(
     output: BatchedDataDict[Any],
     tokenizer: Any,
 ) -> Responses:
-    """Step 2: append each active sample's response to its log and token row."""
+    """Step 2: append each active sample's response to its log and token row. A sample
+    whose row carries a ``generation_error`` gets no message and is marked failed."""
     check_generation_output(output, len(active))
     responses = split_responses(
         output, gen_input["input_lengths"], gen_input["max_new_tokens"], tokenizer
     )
+    errors = output.get("generation_error") or [None] * len(active)
     for j, i in enumerate(active.tolist()):
+        if errors[j] is not None:
+            state.generation_failed[i] = True
+            state.generation_errors[i] = f"generation failed: {errors[j]}"
+            continue
         text = responses.texts[j]
         message = assistant_message(text, responses.token_ids[j], responses.logprobs[j])
         state.message_logs[i].append(message)
         state.env_views[i].append({"role": "assistant", "content": text})
     state.tokens.append_ragged(active, responses.flat_ids, responses.counts)
-    state.turns.index_add_(0, active, torch.ones_like(active))
+    generated = (~state.generation_failed[active]).long()
+    state.turns.index_add_(0, active, generated)
     state.gen_tokens.index_add_(0, active, responses.counts)
     return responses
 

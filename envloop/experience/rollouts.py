@@ -90,7 +90,8 @@ def run_multi_turn_rollout(
         ``message_log``, updated ``extra_env_info`` and ``loss_multiplier``, and
         ``total_reward`` [B] float32, ``truncated`` / ``terminated`` [B] bool,
         ``num_turns`` [B] int64, ``turn_rewards`` (per sample, one float per turn),
-        ``env_error`` (per sample, None or the failure text), and ``reward/<name>`` [B]
+        ``env_error`` (per sample, None or the failure text of its environment step),
+        ``generation_error`` (likewise, for a response the policy could not generate), and ``reward/<name>`` [B]
         float32 totals for component rewards (0 where a sample's environment returned no
         such component; ``reward_components`` lists, per sample, the names its own
         environment returned).
@@ -164,7 +165,8 @@ def _run_turn(
         output = policy.generate(gen_input, greedy=greedy)
     with timer.phase("gen_bookkeeping"):
         responses = append_responses(state, active, gen_input, output, tokenizer)
-    groups = group_by_task(state.task_names, active.tolist())
+    generated = active[~state.generation_failed[active]].tolist()
+    groups = group_by_task(state.task_names, generated)
     with timer.phase("env_startup"):
         dispatcher.wait_until_started(groups)
     with timer.phase("env_step"):

@@ -46,12 +46,16 @@ def split_responses(
     """Cut each row's generated tokens out of a ``GenerationOutputSpec`` batch.
 
     A response longer than its budget (a policy that ignored ``max_new_tokens``) is cut to
-    the budget, so no sample ever grows past ``max_seq_len``.
+    the budget, so no sample ever grows past ``max_seq_len``. A row with a
+    ``generation_error`` has no response (whatever tokens it holds are dropped).
     """
     out_ids, logprobs = output["output_ids"], output["logprobs"]
     counts = output["generation_lengths"].long()
     if budgets is not None:
         counts = torch.minimum(counts, budgets)
+    errors = output.get("generation_error")
+    if errors is not None:
+        counts = counts.masked_fill(torch.tensor([e is not None for e in errors]), 0)
     positions = torch.arange(out_ids.shape[1])
     start = input_lengths.long()[:, None]
     mask = (positions >= start) & (positions < start + counts[:, None])

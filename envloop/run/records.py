@@ -65,7 +65,7 @@ def _record(
         "num_turns": int(final["num_turns"][i]),
         "truncated": bool(final["truncated"][i]),
         "terminated": bool(final["terminated"][i]),
-        "error": final["env_error"][i],
+        "error": final["env_error"][i] or final["generation_error"][i],
         "loss_multiplier": float(final["loss_multiplier"][i]),
         "ground_truth": final["ground_truth"][i],
         "extra_env_info": jsonable(final["extra_env_info"][i]),

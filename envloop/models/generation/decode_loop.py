@@ -50,6 +50,8 @@ class SampleResult:
     """Log-probability of each generated token (see ``sampling_logprobs``)."""
     truncated: bool = False
     """True when the row stopped at its token budget rather than at EOS or a stop string."""
+    error: str | None = None
+    """Why the row generated nothing, when it failed (a server backend's failed request)."""
 
 
 @dataclass(eq=False)

@@ -36,6 +36,9 @@ def check_generation_input(data: Any, vocab_size: int | None) -> None:
         problems += _stop_strings_problems(data["stop_strings"], batch)
     if data.get("max_new_tokens") is not None:
         problems += _budget_problems(data["max_new_tokens"], batch)
+    sample_ids = data.get("sample_ids")
+    if sample_ids is not None and (not isinstance(sample_ids, list) or len(sample_ids) != batch):
+        problems.append(f"sample_ids: expected a list of {batch} keys, one per sample")
     if problems:
         raise _input_error(problems)
 
@@ -48,7 +51,7 @@ def generation_columns(data: Any) -> BatchedDataDict[GenerationDatumSpec]:
     >>> sorted(generation_columns({"input_ids": torch.zeros(1, 2), "extra": None}))
     ['input_ids']
     """
-    keys = ("input_ids", "input_lengths", "stop_strings", "max_new_tokens")
+    keys = ("input_ids", "input_lengths", "stop_strings", "max_new_tokens", "sample_ids")
     return BatchedDataDict({k: data[k] for k in keys if data.get(k) is not None})
 
 

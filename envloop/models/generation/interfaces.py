@@ -22,12 +22,17 @@ class GenerationDatumSpec(TypedDict):
         max_new_tokens: optional [B] int, a per-sample cap on generated tokens (the
             rollout engine passes what is left of ``max_seq_len``); the backend also
             applies its own ``max_new_tokens`` and uses the smaller of the two.
+        sample_ids: optional length-B list of hashable keys, one per sample, the same for
+            every turn of a sample (the rollout engine passes them): a backend with several
+            servers sends all of a sample's turns to one server, whose prefix cache holds
+            the earlier turns. Backends without servers ignore them.
     """
 
     input_ids: torch.Tensor
     input_lengths: torch.Tensor
     stop_strings: NotRequired[list[list[str] | None]]
     max_new_tokens: NotRequired[torch.Tensor]
+    sample_ids: NotRequired[list[Any]]
 
 
 class GenerationOutputSpec(TypedDict):
@@ -43,6 +48,11 @@ class GenerationOutputSpec(TypedDict):
             from (see the backend's docstring for the exact definition).
         truncated: optional [B] bool, True when a response stopped at its token budget
             rather than at EOS or a stop string.
+        generation_error: optional length-B list, None for each row that generated and the
+            failure text for each that could not (a server backend's request that failed
+            after its retries; such a row has no generated tokens). The rollout engine ends
+            those samples with ``loss_multiplier`` 0 and counts them in
+            ``generation_error_rate``; the other rows go on.
     """
 
     output_ids: torch.Tensor
@@ -50,6 +60,7 @@ class GenerationOutputSpec(TypedDict):
     unpadded_sequence_lengths: torch.Tensor
     logprobs: torch.Tensor
     truncated: NotRequired[torch.Tensor]
+    generation_error: NotRequired[list[str | None]]
 
 
 class GenerationInterface(ABC):

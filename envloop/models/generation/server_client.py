@@ -1,0 +1,190 @@
+"""Requests to inference servers over one pooled async HTTP client, with retries.
+
+aiohttp's connection pool hands out a free connection in constant time, so the client's cost
+per request does not grow with the number in flight (``benchmarks/server_client.py``
+measures it); a semaphore bounds the requests in flight over all servers. A request that
+cannot reach its server (refused connection, reset, timeout), gets a 5xx or 429 answer, or
+gets an answer the dialect cannot read is retried after an exponential backoff with full
+jitter, on whichever server the router picks then; after ``max_retries`` retries only that
+row fails, with the last error as its text. A 4xx answer is the request's own fault and
+fails its row at once, with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import aiohttp
+
+from envloop.models.generation.decode_loop import SampleResult
+from envloop.models.generation.server_config import ServerGenerationConfig
+from envloop.models.generation.server_dialects import (
+    GenerationRequest,
+    LlamaCppDialect,
+    MalformedReply,
+    Reply,
+    Sampling,
+    ServerDialect,
+)
+from envloop.models.generation.server_routing import ServerRouter, ServerSlot
+
+MAX_BACKOFF_S = 30.0
+SCORE_CANDIDATES = 64
+"""Candidates a llama.cpp scoring request lists first (then the whole vocabulary)."""
+SCORE_ATTEMPTS = 3
+
+
+class RetryableFailure(Exception):
+    """The server could not be reached or gave no usable answer; worth another try."""
+
+
+class GenerationFailed(Exception):
+    """A row's request failed for good; the text says why and where."""
+
+
+class ServerClient:
+    """Sends generation requests for one backend; lives on one event loop (:meth:`open`)."""
+
+    def __init__(
+        self, config: ServerGenerationConfig, dialect: ServerDialect, vocab_size: int
+    ) -> None:
+        self.config, self.dialect, self.vocab_size = config, dialect, vocab_size
+        self.router = ServerRouter(config.base_urls, base_set_aside_s=config.retry_backoff_s)
+        self.counts = {"requests": 0, "retries": 0, "failed_rows": 0, "score_requests": 0}
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def open(self) -> None:
+        """Create the HTTP session and the concurrency bound on the running loop."""
+        limit = self.config.max_concurrent_requests
+        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300)
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self._slots = asyncio.Semaphore(limit)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def generate(
+        self, request: GenerationRequest, sampling: Sampling, key: Any = None
+    ) -> SampleResult:
+        """One row's generation; a row that fails for good comes back with ``error`` set
+        and no tokens, never as an exception."""
+        if request.budget <= 0:
+            return SampleResult(truncated=True)
+        try:
+            reply = await self._call(self.dialect.body(request, sampling), key, self.dialect.parse)
+            logprobs = await self._complete_logprobs(request, sampling, reply, key)
+        except GenerationFailed as exc:
+            self.counts["failed_rows"] += 1
+            return SampleResult(truncated=False, error=str(exc))
+        if len(reply.tokens) > request.budget:  # a server that overran its max_tokens
+            reply.tokens, logprobs = reply.tokens[: request.budget], logprobs[: request.budget]
+            reply.finish = "length"
+        return SampleResult(reply.tokens, logprobs, truncated=reply.finish == "length")
+
+    async def probe(self, server: ServerSlot, token_id: int) -> Reply:
+        """One probe request to ``server`` (no retries): its answer must carry token ids."""
+        payload = await self._post(server, self.dialect.path, self.dialect.probe_body(token_id))
+        return self.dialect.parse(payload)
+
+    async def get_json(self, url: str) -> Any:
+        assert self._session is not None
+        async with self._session.get(url) as response:
+            if response.status != 200:
+                raise RetryableFailure(f"GET {url}: HTTP {response.status}")
+            return await response.json(content_type=None)
+
+    async def _call(self, body: dict[str, Any], key: Any, parse: Any) -> Any:
+        """POST ``body`` to the dialect's path and ``parse`` the answer, with retries."""
+        attempts = self.config.max_retries + 1
+        for attempt in range(attempts):
+            server = self.router.acquire(key)
+            self.counts["requests"] += 1
+            try:
+                result = parse(await self._post(server, self.dialect.path, body))
+            except (RetryableFailure, MalformedReply) as exc:
+                self.router.release(server, ok=False)
+                error = f"{server.url}{self.dialect.path}: {exc}"
+                if attempt + 1 == attempts:
+                    raise GenerationFailed(
+                        f"generation failed after {attempts} attempt(s); last: {error}"
+                    ) from None
+                self.counts["retries"] += 1
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            except GenerationFailed:
+                self.router.release(server, ok=True)
+                raise
+            self.router.release(server, ok=True)
+            return result
+        raise AssertionError("unreachable")
+
+    async def _post(self, server: ServerSlot, path: str, body: dict[str, Any]) -> Any:
+        assert self._session is not None and self._slots is not None
+        url = server.url + path
+        async with self._slots:
+            try:
+                async with self._session.post(url, data=json.dumps(body), headers=_JSON) as reply:
+                    text = await reply.text()
+                    status = reply.status
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
+        if status == 429 or status >= 500:
+            raise RetryableFailure(f"HTTP {status}: {text[:300]}")
+        if status != 200:
+            raise GenerationFailed(f"{url} rejected the request: HTTP {status}: {text[:500]}")
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise MalformedReply(f"answer is not JSON: {text[:200]!r}") from None
+
+    def _backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, base * 2^attempt], capped."""
+        ceiling = min(self.config.retry_backoff_s * 2**attempt, MAX_BACKOFF_S)
+        return random.uniform(0, ceiling)
+
+    async def _complete_logprobs(
+        self, request: GenerationRequest, sampling: Sampling, reply: Reply, key: Any
+    ) -> list[float]:
+        """``reply.logprobs`` with every gap filled (llama.cpp only leaves gaps)."""
+        missing = [i for i, value in enumerate(reply.logprobs) if value is None]
+        if not missing:
+            return [float(v) for v in reply.logprobs]  # type: ignore[arg-type]
+        if not isinstance(self.dialect, LlamaCppDialect):
+            raise GenerationFailed("the server reported no log-probability for some tokens")
+        filled = list(reply.logprobs)
+        for i in missing:
+            filled[i] = await self._score(request, reply.tokens[:i], reply.tokens[i], sampling, key)
+        return filled  # type: ignore[return-value]
+
+    async def _score(
+        self, request: GenerationRequest, prefix: list[int], token: int, sampling: Sampling,
+        key: Any,
+    ) -> float:  # fmt: skip
+        dialect = self.dialect
+        assert isinstance(dialect, LlamaCppDialect)
+        for attempt in range(SCORE_ATTEMPTS):
+            for n_probs in dict.fromkeys((min(SCORE_CANDIDATES, self.vocab_size), self.vocab_size)):
+                body = dialect.score_body(request, prefix, sampling, n_probs, attempt)
+                self.counts["score_requests"] += 1
+                value = await self._call(body, key, lambda p: dialect.parse_score(p, token))
+                if value is not None:
+                    return value
+        raise GenerationFailed(
+            f"llama.cpp reported no probability for token {token} at position {len(prefix)} "
+            f"of the reply, nor in {SCORE_ATTEMPTS} scoring requests"
+        )
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _describe(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within request_timeout_s={timeout_s:g} s"
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

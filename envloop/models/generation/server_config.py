@@ -1,0 +1,78 @@
+"""The settings of the server backend (:class:`ServerGenerationConfig`), declared once and
+validated on construction with every problem reported. Imports no torch and no HTTP client:
+``envloop run`` checks them before it starts anything, and its ``policy`` section with
+``backend: server`` is this config."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from envloop.config.validation import Config, NonEmptyStr
+
+Dialect = Literal["vllm", "sglang", "llamacpp"]
+DEFAULT_DIALECT: Dialect = "vllm"
+
+
+class ServerGenerationConfig(Config):
+    """Settings of :class:`~envloop.models.generation.server_generation.ServerGeneration`.
+
+    >>> ServerGenerationConfig(base_urls=["http://127.0.0.1:8000"], tokenizer="Qwen/Qwen3-0.6B").dialect
+    'vllm'
+    >>> ServerGenerationConfig(base_urls=[], tokenizer="t", dialect="tgi")
+    Traceback (most recent call last):
+    ...
+    envloop.config.errors.ConfigError: Invalid ServerGenerationConfig:
+      - base_urls: must have at least 1 item, got 0
+      - dialect: must be one of 'vllm', 'sglang', 'llamacpp', got 'tgi'
+    """
+
+    base_urls: Annotated[list[NonEmptyStr], Field(min_length=1)]
+    """Server URLs, e.g. ``[http://127.0.0.1:8000]``; several: each request goes to the one
+    with the fewest requests outstanding, every turn of a sample to the same one while it
+    answers."""
+    dialect: Dialect = DEFAULT_DIALECT
+    """The servers' API: ``vllm`` (``/v1/completions``), ``sglang`` (``/generate``) or
+    ``llamacpp`` (llama-server's ``/completion``)."""
+    tokenizer: NonEmptyStr
+    """The served model's tokenizer (folder, hub id or ``bundled:<name>``): prompts are
+    tokenized and responses decoded with it; token ids cross the wire, never text."""
+    model: NonEmptyStr | None = None
+    """The served model's name, sent with each vLLM request; None: the first of the server's
+    ``/v1/models``. SGLang and llama.cpp ignore it."""
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    """Sampling temperature (for argmax, generate greedily)."""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """Nucleus sampling mass in (0, 1]; 1 keeps every token."""
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    """Keep only the k most likely tokens; None: all."""
+    seed: Annotated[int, Field(ge=0)] | None = 0
+    """Base of each request's sampling seed (request ``n`` of this backend gets a seed
+    derived from it and ``n``; a retried request keeps its seed); None: unseeded."""
+    max_new_tokens: Annotated[int, Field(ge=1)] = 512
+    """Most tokens generated per sample and turn; a sample's remaining ``max_seq_len`` may
+    lower it."""
+    max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
+    """Requests in flight at once, over all servers."""
+    request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Seconds one request may take before it counts as failed (and is retried)."""
+    max_retries: Annotated[int, Field(ge=0)] = 5
+    """Retries of a request after a refused connection, a 5xx or 429 answer, a timeout or a
+    malformed response, with exponential backoff and jitter; then only its sample fails."""
+    retry_backoff_s: Annotated[float, Field(gt=0)] = 0.5
+    """First retry's mean wait; each further retry doubles it (up to 30 s)."""
+    startup_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    """Seconds to wait on construction for every server to answer the probe request."""
+
+    @model_validator(mode="after")
+    def _sglang_reports_sampled_logprobs(self) -> ServerGenerationConfig:
+        filtered = self.top_k is not None or self.top_p < 1
+        if self.dialect == "sglang" and filtered:
+            raise ValueError(
+                "dialect 'sglang' reports log-probabilities with the temperature applied but "
+                "not top-k/top-p filtering, so they would not be those of the distribution "
+                "tokens are drawn from; set top_k: null and top_p: 1, or serve with vLLM "
+                "(--logprobs-mode processed_logprobs) or llama.cpp"
+            )
+        return self

@@ -1,0 +1,387 @@
+"""What a request to each kind of inference server looks like, and how its answer is read.
+
+Prompts go out as token ids; the generated token ids and the log-probability of each come
+back from the server's own fields, never from re-tokenizing text. Every sampling knob is
+sent explicitly, because each server fills a missing one from the model's or its own
+defaults (llama.cpp samples with top-k 40, top-p 0.95, min-p 0.05 and temperature 0.8 by
+default, vLLM stops at 16 tokens, SGLang at 128).
+
+Log-probabilities, as each dialect asks for them:
+
+- sampled tokens: the log-probability under the distribution the token was drawn from
+  (temperature, then top-k and top-p): llama.cpp's post-sampling probabilities with its
+  samplers in that order; vLLM's when the server runs with
+  ``--logprobs-mode processed_logprobs``; SGLang applies only the temperature, so its
+  config refuses top-k and top-p (:class:`ServerGenerationConfig`);
+- greedy tokens: the model's unfiltered log-softmax at temperature 1, the value all three
+  servers report for an argmax.
+
+Shapes of the answers were read from each server's source (llama.cpp: the version
+``scripts/build_llama_server.sh`` builds; vLLM's ``CompletionResponse``; SGLang's
+``/generate`` output); ``tests/unit/models/generation/test_server_dialects.py`` holds
+recorded examples.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from envloop.models.generation.server_config import Dialect
+
+Finish = Literal["eos", "stop", "length"]
+"""Why a reply ended: an EOS or stop token, a stop string, or the token budget."""
+
+
+class MalformedReply(ValueError):
+    """A server's answer lacks what the dialect needs (retried like a failed request)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen (the backend's config, or greedy for this call)."""
+
+    temperature: float
+    top_p: float
+    top_k: int | None
+    greedy: bool
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One row to generate for: its prompt token ids, token budget, stop strings and seed."""
+
+    prompt: list[int]
+    budget: int
+    stops: list[str] | None
+    seed: int | None
+
+
+@dataclass
+class Reply:
+    """What a server generated for one request.
+
+    ``logprobs[i]`` is None where the server reported no probability for ``tokens[i]``
+    (llama.cpp, see :meth:`LlamaCppDialect.parse`)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    finish: Finish
+
+
+class ServerDialect:
+    """A server API: the path and body of a generation request, and how to read its answer."""
+
+    name: Dialect
+    path: str
+
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
+
+    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse(self, payload: Any) -> Reply:
+        raise NotImplementedError
+
+    def probe_body(self, token_id: int) -> dict[str, Any]:
+        """A one-token request that shows whether the server gives token ids back."""
+        return self.body(GenerationRequest([token_id], 1, None, 0), _PROBE_SAMPLING)
+
+
+_PROBE_SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=None, greedy=True)
+
+
+class VllmDialect(ServerDialect):
+    """vLLM's OpenAI-compatible ``/v1/completions`` with a token-id prompt.
+
+    Token ids come from ``choices[0].token_ids`` (``return_token_ids``, vLLM >= 0.10.2) or,
+    on older servers, from ``logprobs.tokens`` written as ``"token_id:<id>"``
+    (``return_tokens_as_token_ids``); when both are present they must agree.
+
+    >>> reply = VllmDialect("m").parse({"choices": [{"finish_reason": "stop", "stop_reason":
+    ...     "</a>", "logprobs": {"tokens": ["token_id:5", "token_id:9"],
+    ...     "token_logprobs": [-0.5, -1.0]}}]})
+    >>> reply.tokens, reply.logprobs, reply.finish
+    ([5, 9], [-0.5, -1.0], 'stop')
+    """
+
+    name = "vllm"
+    path = "/v1/completions"
+
+    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "prompt": request.prompt,
+            "max_tokens": request.budget,
+            **_openai_sampling(sampling, top_k_off=-1),
+            "stop": request.stops or [],
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "stream": False,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if self.model is not None:
+            body["model"] = self.model
+        return body
+
+    def parse(self, payload: Any) -> Reply:
+        choice = _first(_field(payload, "choices", list), "choices")
+        logprobs = _field(choice, "logprobs", dict)
+        values = _field(logprobs, "token_logprobs", list)
+        named = [_token_id_placeholder(t) for t in _field(logprobs, "tokens", list)]
+        tokens = choice.get("token_ids")
+        if tokens is None:
+            tokens = named
+        elif list(tokens) != named:
+            raise MalformedReply("choices[0].token_ids and logprobs.tokens disagree")
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):
+            raise MalformedReply(f"finish_reason {finish!r}; expected 'stop' or 'length'")
+        ended: Finish = "length" if finish == "length" else "eos"
+        if finish == "stop" and isinstance(choice.get("stop_reason"), str):
+            ended = "stop"
+        return _reply(tokens, values, ended)
+
+
+class SglangDialect(ServerDialect):
+    """SGLang's native ``/generate`` with ``input_ids``.
+
+    >>> reply = SglangDialect().parse({"output_ids": [7, 2], "meta_info": {"finish_reason":
+    ...     {"type": "stop", "matched": 2}, "output_token_logprobs": [[-0.1, 7, None],
+    ...     [-0.2, 2, None]]}})
+    >>> reply.tokens, reply.logprobs, reply.finish
+    ([7, 2], [-0.1, -0.2], 'eos')
+    """
+
+    name = "sglang"
+    path = "/generate"
+
+    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": request.budget,
+            **_openai_sampling(sampling, top_k_off=-1),
+            "stop": request.stops or [],
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
+        if request.seed is not None:
+            params["sampling_seed"] = request.seed
+        return {
+            "input_ids": request.prompt,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "top_logprobs_num": 0,
+            "stream": False,
+        }
+
+    def parse(self, payload: Any) -> Reply:
+        meta = _field(payload, "meta_info", dict)
+        entries = _field(meta, "output_token_logprobs", list)
+        if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
+            raise MalformedReply("meta_info.output_token_logprobs: expected [logprob, id, text]")
+        named = [e[1] for e in entries]
+        tokens = payload.get("output_ids", named)
+        if list(tokens) != named:
+            raise MalformedReply("output_ids and meta_info.output_token_logprobs disagree")
+        reason = _field(meta, "finish_reason", dict)
+        kind = reason.get("type")
+        if kind not in ("stop", "length"):
+            raise MalformedReply(f"finish_reason {reason!r}; expected type 'stop' or 'length'")
+        ended: Finish = "length" if kind == "length" else "eos"
+        if kind == "stop" and isinstance(reason.get("matched"), str):
+            ended = "stop"
+        return _reply(tokens, [e[0] for e in entries], ended)
+
+
+class LlamaCppDialect(ServerDialect):
+    """llama.cpp's ``llama-server`` ``/completion`` with a token-id prompt.
+
+    ``tokens`` holds every generated id (``return_tokens``), an ending EOS and the tokens
+    of a stop string included. ``completion_probabilities`` is not one to one with them:
+    the server keeps no entry for a token that ends in the middle of a UTF-8 character,
+    and after a stop string it drops as many trailing entries as the stop string has
+    tokens. Entries are matched to tokens by id, and a token without one gets None, which
+    :meth:`score_body` recovers.
+
+    >>> reply = LlamaCppDialect().parse({"tokens": [4, 5, 6], "stop_type": "word",
+    ...     "completion_probabilities": [{"id": 4, "prob": 0.5}, {"id": 5, "prob": 1.0}]})
+    >>> reply.tokens, reply.logprobs, reply.finish
+    ([4, 5, 6], [-0.6931471805599453, 0.0, None], 'stop')
+    """
+
+    name = "llamacpp"
+    path = "/completion"
+
+    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+        body = {
+            "prompt": request.prompt,
+            "n_predict": request.budget,
+            **self._sampling(sampling),
+            "stop": request.stops or [],
+            "n_probs": 1,
+            "return_tokens": True,
+            "cache_prompt": True,
+            "stream": False,
+        }
+        body["seed"] = _LLAMA_RANDOM_SEED if request.seed is None else request.seed % 2**32
+        return body
+
+    def score_body(
+        self, request: GenerationRequest, prefix: list[int], sampling: Sampling, n_probs: int,
+        attempt: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        """A one-token request after ``prompt + prefix`` whose answer lists the probability
+        of up to ``n_probs`` candidates for that position, under the distribution the
+        reply's token there was drawn from (for greedy replies, the unfiltered one). The
+        token this request itself draws does not matter, except that one ending mid-way
+        through a character gets no entry: ``attempt`` changes the seed for another try."""
+        scoring = sampling
+        if sampling.greedy:  # raw probabilities do not depend on the sampler; sample at T=1
+            scoring = Sampling(1.0, 1.0, None, greedy=False)
+        body = {
+            "prompt": request.prompt + prefix,
+            "n_predict": 1,
+            **self._sampling(scoring),
+            "post_sampling_probs": not sampling.greedy,
+            "n_probs": n_probs,
+            "return_tokens": True,
+            "cache_prompt": True,
+            "stream": False,
+            "seed": (attempt * 7919 + (request.seed or 0)) % 2**32,
+        }
+        return body
+
+    @staticmethod
+    def parse_score(payload: Any, token: int) -> float | None:
+        """The log-probability of ``token`` in a :meth:`score_body` answer; None when the
+        answer has no entry for its position or ``token`` is not among the candidates."""
+        entries = payload.get("completion_probabilities") if isinstance(payload, dict) else None
+        if not entries:
+            return None
+        for candidate in entries[0].get("top_probs") or entries[0].get("top_logprobs") or []:
+            if candidate.get("id") == token:
+                return _entry_logprob(candidate)
+        return None
+
+    def parse(self, payload: Any) -> Reply:
+        tokens = _field(payload, "tokens", list)
+        entries = payload.get("completion_probabilities") or []
+        logprobs: list[float | None] = []
+        k = 0
+        for token in tokens:
+            if k < len(entries) and entries[k].get("id") == token:
+                logprobs.append(_entry_logprob(entries[k]))
+                k += 1
+            else:
+                logprobs.append(None)
+        if k != len(entries):
+            raise MalformedReply("completion_probabilities do not follow the order of tokens")
+        stop_type = payload.get("stop_type")
+        finish = _LLAMA_FINISH.get(stop_type)
+        if finish is None:
+            raise MalformedReply(f"stop_type {stop_type!r}; expected eos, word or limit")
+        return Reply(list(tokens), logprobs, finish)
+
+    @staticmethod
+    def _sampling(sampling: Sampling) -> dict[str, Any]:
+        neutral = {
+            "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+            "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+            "top_n_sigma": -1.0, "mirostat": 0,
+        }  # fmt: skip
+        if sampling.greedy:
+            return {**neutral, "temperature": 0.0, "top_k": 0, "top_p": 1.0,
+                    "post_sampling_probs": False}  # fmt: skip
+        return {
+            **neutral,
+            "temperature": sampling.temperature,
+            "top_k": sampling.top_k or 0,
+            "top_p": sampling.top_p,
+            # top-k is the same before or after the temperature; top-p is not: HF's order
+            "samplers": ["top_k", "temperature", "top_p"],
+            "post_sampling_probs": True,
+        }
+
+
+_LLAMA_RANDOM_SEED = 0xFFFFFFFF
+_LLAMA_FINISH: dict[Any, Finish] = {"eos": "eos", "word": "stop", "limit": "length"}
+
+DIALECTS: dict[str, type[ServerDialect]] = {
+    "vllm": VllmDialect,
+    "sglang": SglangDialect,
+    "llamacpp": LlamaCppDialect,
+}
+
+
+def make_dialect(name: Dialect, model: str | None = None) -> ServerDialect:
+    return DIALECTS[name](model)
+
+
+def _openai_sampling(sampling: Sampling, top_k_off: int) -> dict[str, Any]:
+    neutral = {
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+    }
+    if sampling.greedy:
+        return {**neutral, "temperature": 0.0, "top_p": 1.0, "top_k": top_k_off}
+    return {
+        **neutral,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k is not None else top_k_off,
+    }
+
+
+def _reply(tokens: Any, logprobs: list[Any], finish: Finish) -> Reply:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise MalformedReply("token ids must be integers")
+    if len(logprobs) != len(tokens):
+        raise MalformedReply(f"{len(tokens)} token ids but {len(logprobs)} log-probabilities")
+    values = []
+    for value in logprobs:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+            raise MalformedReply(f"log-probability {value!r} is not a number")
+        values.append(float(value))
+    return Reply(list(tokens), list(values), finish)
+
+
+def _entry_logprob(entry: dict[str, Any]) -> float:
+    if "logprob" in entry:
+        return float(entry["logprob"])
+    prob = entry.get("prob")
+    if not isinstance(prob, (int, float)) or not 0 < prob <= 1:
+        raise MalformedReply(f"probability {prob!r} of token {entry.get('id')} is not in (0, 1]")
+    return math.log(prob)
+
+
+def _token_id_placeholder(text: Any) -> int:
+    if not isinstance(text, str) or not text.startswith("token_id:"):
+        raise MalformedReply(
+            f"logprobs.tokens holds {text!r}, not 'token_id:<id>': the server ignored "
+            "return_tokens_as_token_ids (vLLM >= 0.5.0 honours it)"
+        )
+    try:
+        return int(text.removeprefix("token_id:"))
+    except ValueError:
+        raise MalformedReply(f"logprobs.tokens holds {text!r}, not 'token_id:<id>'") from None
+
+
+def _field(payload: Any, key: str, kind: type) -> Any:
+    value = payload.get(key) if isinstance(payload, dict) else None
+    if not isinstance(value, kind):
+        raise MalformedReply(f"{key!r} missing or not a {kind.__name__}")
+    return value
+
+
+def _first(items: list[Any], key: str) -> Any:
+    if not items:
+        raise MalformedReply(f"{key!r} is empty")
+    return items[0]

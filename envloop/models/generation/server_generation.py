@@ -1,0 +1,270 @@
+"""``ServerGeneration``: generation from inference servers (vLLM, SGLang, llama.cpp), token in
+and token out over HTTP.
+
+Each row's prompt goes to a server as token ids, and the generated token ids and their
+log-probabilities are read from the server's answer (:mod:`server_dialects`), so the tokens a
+trainer sees are exactly the sampled ones: text is never re-tokenized between turns. On
+construction every server answers a probe request, and one whose answer carries no token
+ids stops start-up with an error. Requests run on a private event loop in a background
+thread (:mod:`server_client`), reached from ``generate`` (blocking) and ``generate_async``
+(from any event loop) alike; :mod:`server_routing` picks each request's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine, Mapping
+from typing import Any, TypeVar
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.bundled import resolve_model
+from envloop.models.generation.decode_loop import SampleResult
+from envloop.models.generation.generation_batches import (
+    build_output,
+    check_generation_input,
+    generation_columns,
+    sample_budgets,
+)
+from envloop.models.generation.interfaces import (
+    GenerationDatumSpec,
+    GenerationInterface,
+    GenerationOutputSpec,
+)
+from envloop.models.generation.server_client import (
+    GenerationFailed,
+    RetryableFailure,
+    ServerClient,
+)
+from envloop.models.generation.server_config import ServerGenerationConfig
+from envloop.models.generation.server_dialects import (
+    GenerationRequest,
+    MalformedReply,
+    Sampling,
+    make_dialect,
+)
+
+__all__ = ["ServerGeneration", "ServerGenerationConfig"]
+
+T = TypeVar("T")
+_SEED_STRIDE = 1_000_003
+
+
+class ServerGeneration(GenerationInterface):
+    """A policy served by one or more inference servers of one ``dialect``.
+
+    ``logprobs[i, t]`` of a sampled token is its log-probability under the distribution it
+    was drawn from (temperature, then top-k, then top-p, as ``HfGeneration``), as the
+    server reports it: llama.cpp always, vLLM when serving with
+    ``--logprobs-mode processed_logprobs`` (its default, ``raw_logprobs``, reports the
+    unfiltered temperature-1 values), SGLang with its temperature applied (the config
+    refuses top-k and top-p for it). A greedy token's is the model's unfiltered
+    log-probability at temperature 1 on every server (``HfGeneration`` reports the same
+    for greedy decoding at temperature 1 without top-k and top-p).
+
+    Stop strings are applied by the server and kept in the output; the budget of each row
+    is the smaller of ``max_new_tokens`` and the row's own. A row whose request fails after
+    its retries comes back with no tokens and its error in ``generation_error`` (the
+    rollout engine ends that sample with ``loss_multiplier`` 0); the other rows are not
+    affected. Each sampled request gets a seed derived from ``seed`` and its position
+    among this instance's requests, so a fresh instance repeats a sequence of calls as far
+    as the server's sampling is deterministic.
+
+    Attributes:
+        config: the validated :class:`ServerGenerationConfig`.
+        tokenizer: the served model's tokenizer (the rollout engine tokenizes with it).
+        model: the served model's name (vLLM's, as given or as its server lists it).
+    """
+
+    def __init__(self, config: ServerGenerationConfig | Mapping[str, Any]) -> None:
+        from transformers import AutoTokenizer
+
+        if not isinstance(config, ServerGenerationConfig):
+            config = ServerGenerationConfig.from_mapping(config)
+        self.config = config
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer))
+        self.pad_id = _pad_id(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)
+        self._requests_made = 0
+        self._loop = _LoopThread()
+        self.model = config.model
+        self._client = ServerClient(config, make_dialect(config.dialect), self.vocab_size)
+        try:
+            self._loop.run(self._client.open())
+            self._loop.run(self._start())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def generate(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> BatchedDataDict[GenerationOutputSpec]:
+        """Generate one response per row (see the class docstring); rows in input order."""
+        batch, calls = self._prepare(data, greedy)
+        futures = [self._loop.submit(call) for call in calls]
+        try:
+            results = [future.result() for future in futures]
+        finally:  # interrupted: stop waiting on the servers for rows nobody will read
+            for future in futures:
+                future.cancel()
+        return self._output(batch, list(range(len(results))), results)
+
+    async def generate_async(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
+    ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
+        """Yield ``(row, one-row output)`` as each row's request comes back; every row's
+        request is sent at once (up to ``max_concurrent_requests`` over all calls)."""
+        batch, calls = self._prepare(data, greedy)
+        futures = [self._loop.submit(call) for call in calls]
+        rows = {asyncio.wrap_future(future): row for row, future in enumerate(futures)}
+        pending = set(rows)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in sorted(done, key=rows.__getitem__):
+                    row = rows[waiter]
+                    yield row, self._output(batch, [row], [waiter.result()])
+        finally:
+            for future in futures:
+                future.cancel()
+
+    def request_stats(self) -> dict[str, Any]:
+        """Counters of this backend's HTTP requests (``requests``, ``retries``,
+        ``failed_rows``, ``score_requests``) and each server's outstanding requests."""
+        servers = {s.url: s.outstanding for s in self._client.router.servers}
+        return {**self._client.counts, "outstanding": servers}
+
+    def shutdown(self) -> bool:
+        """Close the HTTP session and stop the client's thread; the instance is unusable
+        afterwards."""
+        if self._loop.running:
+            self._loop.run(self._client.close())
+            self._loop.stop()
+        return True
+
+    def _prepare(
+        self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> tuple[BatchedDataDict[GenerationDatumSpec], list[Coroutine[Any, Any, SampleResult]]]:
+        check_generation_input(data, self.vocab_size)
+        batch = generation_columns(data)
+        budgets = sample_budgets(batch, self.config.max_new_tokens)
+        stops = batch.get("stop_strings") or [None] * len(budgets)
+        keys = batch.get("sample_ids") or [None] * len(budgets)
+        sampling = Sampling(
+            self.config.temperature, self.config.top_p, self.config.top_k, greedy=greedy
+        )
+        calls = []
+        for ids, length, budget, stop, key in zip(
+            batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops, keys
+        ):
+            request = GenerationRequest(ids[:length].tolist(), budget, stop, self._next_seed())
+            calls.append(self._client.generate(request, sampling, key))
+        return batch, calls
+
+    def _next_seed(self) -> int | None:
+        self._requests_made += 1
+        if self.config.seed is None:
+            return None
+        return (self.config.seed * _SEED_STRIDE + self._requests_made) % 2**31
+
+    def _output(
+        self, batch: BatchedDataDict[GenerationDatumSpec], rows: list[int],
+        results: list[SampleResult],
+    ) -> BatchedDataDict[GenerationOutputSpec]:  # fmt: skip
+        ids, lengths = batch["input_ids"][rows], batch["input_lengths"][rows]
+        output = build_output(ids, lengths, results, self.pad_id)
+        output["generation_error"] = [result.error for result in results]
+        return output
+
+    async def _start(self) -> None:
+        """Wait for every server to answer a probe request with token ids (and, for vLLM
+        without ``model``, ask the first server for its model's name)."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        probe_token = _probe_token(self.tokenizer)
+        await asyncio.gather(
+            *(self._probe(server, probe_token, deadline) for server in self._client.router.servers)
+        )
+
+    async def _probe(self, server: Any, token_id: int, deadline: float) -> None:
+        config, last = self.config, "no answer"
+        while True:
+            try:
+                if config.dialect == "vllm" and self.model is None:
+                    listing = await self._client.get_json(server.url + "/v1/models")
+                    self.model = _first_model(listing, server.url)
+                    self._client.dialect.model = self.model
+                reply = await self._client.probe(server, token_id)
+                break
+            except RetryableFailure as exc:  # still starting: refused, 503 while loading
+                last = str(exc)
+            except GenerationFailed as exc:
+                raise RuntimeError(f"The probe request failed: {exc}") from None
+            except MalformedReply as exc:
+                raise RuntimeError(
+                    f"{server.url} ({config.dialect!r} dialect) answered the probe request "
+                    f"without usable token ids: {exc}. Token-in/token-out needs them; check "
+                    "that the server speaks that dialect (policy.dialect) and is recent enough."
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{server.url} did not answer a {config.dialect} probe request within "
+                    f"startup_timeout_s={config.startup_timeout_s:g} s (last: {last}); start "
+                    "the server or fix base_urls."
+                )
+            await asyncio.sleep(0.25)
+        too_big = [t for t in reply.tokens if t >= self.vocab_size]
+        if too_big:
+            raise RuntimeError(
+                f"{server.url} generated token id {too_big[0]}, outside the tokenizer "
+                f"{config.tokenizer!r} ({self.vocab_size} tokens): set tokenizer to the "
+                "served model's."
+            )
+
+
+class _LoopThread:
+    """An event loop running forever on a daemon thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="envloop-server-client", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, call: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(call, self.loop)
+
+    def run(self, call: Coroutine[Any, Any, T]) -> T:
+        return self.submit(call).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+def _pad_id(tokenizer: Any) -> int:
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _probe_token(tokenizer: Any) -> int:
+    ids = tokenizer("Hello", add_special_tokens=False).input_ids
+    return int(ids[0]) if ids else 0
+
+
+def _first_model(listing: Any, url: str) -> str:
+    try:
+        return str(listing["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+        raise RuntimeError(
+            f"{url}/v1/models lists no model; set model to the served model's name"
+        ) from None
