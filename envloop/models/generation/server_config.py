@@ -18,8 +18,9 @@ DEFAULT_DIALECT: Dialect = "vllm"
 class ServerGenerationConfig(Config):
     """Settings of :class:`~envloop.models.generation.server_generation.ServerGeneration`.
 
-    >>> ServerGenerationConfig(base_urls=["http://127.0.0.1:8000"], tokenizer="Qwen/Qwen3-0.6B").dialect
-    'vllm'
+    >>> config = ServerGenerationConfig(base_urls=["http://127.0.0.1:8000"], tokenizer="Q/Q3")
+    >>> config.dialect, config.max_concurrent_requests
+    ('vllm', 1024)
     >>> ServerGenerationConfig(base_urls=[], tokenizer="t", dialect="tgi")
     Traceback (most recent call last):
     ...
