@@ -92,9 +92,9 @@ def run_multi_turn_rollout(
         ``num_turns`` [B] int64, ``turn_rewards`` (per sample, one float per turn),
         ``env_error`` (per sample, None or the failure text of its environment step),
         ``generation_error`` (likewise, for a response the policy could not generate),
-        and ``reward/<name>`` [B] float32 totals for component rewards (0 where a sample's environment returned no
-        such component; ``reward_components`` lists, per sample, the names its own
-        environment returned).
+        and ``reward/<name>`` [B] float32 totals for component rewards (0 where a sample's
+        environment returned no such component; ``reward_components`` lists, per sample,
+        the names its own environment returned).
     """
     opts = RolloutOptions.from_mapping(options)
     check_limits(max_seq_len, max_rollout_turns)

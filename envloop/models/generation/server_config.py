@@ -25,8 +25,8 @@ class ServerGenerationConfig(Config):
     Traceback (most recent call last):
     ...
     envloop.config.errors.ConfigError: Invalid ServerGenerationConfig:
-      - base_urls: must have at least 1 item, got 0
-      - dialect: must be one of 'vllm', 'sglang', 'llamacpp', got 'tgi'
+      - base_urls: must have at least 1 item, got []
+      - dialect: 'tgi' is not one of vllm, sglang, llamacpp
     """
 
     base_urls: Annotated[list[NonEmptyStr], Field(min_length=1)]
