@@ -73,8 +73,11 @@ def reference_rows(spec: type[BaseModel], prefix: str = "") -> Iterator[tuple[st
     for f in declared_fields(spec):
         key = f"{prefix}.{f.name}" if prefix else f.name
         section = _section_of(f.annotation)
+        variants = _sections_of_union(f.annotation)
         if section is not None:
             yield from reference_rows(section, key)
+        elif variants:
+            yield from _variant_rows(variants, key)
         elif _section_of(_dict_values_of(f.annotation)) is not None:
             extra = (f.info.json_schema_extra if f.info else None) or {}
             placeholder = extra.get("placeholder", "name") if isinstance(extra, dict) else "name"
@@ -160,6 +163,38 @@ def _field_info(hint: Any) -> FieldInfo | None:
 def _section_of(hint: Any) -> type[BaseModel] | None:
     hint = strip_annotations(hint)
     return hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
+
+
+def _sections_of_union(hint: Any) -> list[type[BaseModel]]:
+    """The config classes of a union of them (a section with variants), else []."""
+    hint = strip_annotations(hint)
+    if typing.get_origin(hint) not in (typing.Union, types.UnionType):
+        return []
+    members = [_section_of(m) for m in typing.get_args(hint)]
+    return [m for m in members if m is not None] if all(members) else []
+
+
+def _variant_rows(variants: list[type[BaseModel]], key: str) -> Iterator[tuple[str, str, str, str]]:
+    """The rows of a section with variants told apart by their ``backend``-like first
+    differing key: the first variant's rows, then each other's own keys, marked with it
+    (e.g. "server:")."""
+    seen: set[str] = set()
+    for i, variant in enumerate(variants):
+        tag = _variant_tag(variant)
+        for row_key, type_, default, description in reference_rows(variant, key):
+            if row_key in seen:
+                continue
+            seen.add(row_key)
+            yield row_key, type_, default, description if i == 0 else f"({tag}) {description}"
+
+
+def _variant_tag(variant: type[BaseModel]) -> str:
+    """The value of the variant's literal-typed field with no default (its tag)."""
+    for f in declared_fields(variant):
+        literal = typing.get_origin(strip_annotations(f.annotation)) is typing.Literal
+        if literal and not f.has_default:
+            return str(typing.get_args(strip_annotations(f.annotation))[0])
+    return variant.__name__
 
 
 def _dict_values_of(hint: Any) -> Any:

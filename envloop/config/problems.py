@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import typing_extensions
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
 __all__ = ["record_fields", "strip_annotations", "validation_problems"]
 
@@ -196,6 +196,7 @@ def _union_member(annotation: Any, tag: Any) -> Any:
         return None
     for member in typing.get_args(annotation):
         names = {_tag(member), _type_name(member), f"constrained-{_tag(strip_annotations(member))}"}
+        names |= {m.tag for m in getattr(member, "__metadata__", ()) if isinstance(m, Tag)}
         if tag in names:
             return member
     return None

@@ -31,20 +31,24 @@ from envloop.data.dataset_config import DataConfig
 from envloop.run.config_checks import env_problems, semantic_problems
 from envloop.run.config_sections import (
     EnvConfig,
+    HfPolicyConfig,
     OutputConfig,
     PolicyConfig,
     RayConfig,
     RolloutConfig,
+    ServerPolicyConfig,
 )
 
 __all__ = [
     "DataConfig",
     "EnvConfig",
+    "HfPolicyConfig",
     "OutputConfig",
     "PolicyConfig",
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "ServerPolicyConfig",
     "apply_overrides",
     "config_reference_rows",
     "config_reference_table",

@@ -38,7 +38,8 @@ def semantic_problems(raw: Mapping[str, Any]) -> list[str]:
     they are reported together with type errors. Imports nothing heavy."""
     problems = []
     policy = _section(raw, "policy")
-    for key in ("model_name", "tokenizer_name"):
+    server = policy.get("backend") == "server"
+    for key in ("tokenizer",) if server else ("model_name", "tokenizer_name"):
         if isinstance(policy.get(key), str):
             problems += _some(model_problem(f"policy.{key}", policy[key]))
     for task, env in _section(raw, "envs").items():

@@ -7,9 +7,10 @@ reads it. Each field's docstring is what the config reference (README) shows.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from envloop.config.validation import Config, NonEmptyStr
 from envloop.experience.rollout_options import (
@@ -18,17 +19,51 @@ from envloop.experience.rollout_options import (
     RolloutSettings,
 )
 from envloop.models.generation.hf_config import HfGenerationConfig
+from envloop.models.generation.server_config import ServerGenerationConfig
 
 GROUND_TRUTH_ENVS = ("math", "vlm")
 """Registered environments that score against each sample's ground truth."""
 _GROUND_TRUTH = ", ".join(GROUND_TRUTH_ENVS)
 
 
-class PolicyConfig(HfGenerationConfig, title="policy"):
-    """The policy that generates responses: the backend's config plus its name."""
+class HfPolicyConfig(HfGenerationConfig, title="policy"):
+    """A policy generating in-process with transformers: that backend's config plus its
+    name."""
 
     backend: Literal["hf"] = "hf"
-    """Generation backend: ``hf`` (transformers, CPU or GPU)."""
+    """Generation backend: ``hf`` (transformers, CPU or GPU, in this process or on Ray
+    workers) or ``server`` (inference servers over HTTP: the keys marked server)."""
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _known_backend(cls, backend: Any) -> Any:
+        if backend not in ("hf", "server"):
+            raise ValueError(
+                f"{backend!r} is not a backend; use hf (transformers) or server (vLLM, "
+                "SGLang or llama.cpp servers)"
+            )
+        return backend
+
+
+class ServerPolicyConfig(ServerGenerationConfig, title="policy"):
+    """A policy served by inference servers: that backend's config plus its name."""
+
+    backend: Literal["server"]
+    """``server``: generate from the servers at ``base_urls``."""
+
+
+def _backend_of(value: Any) -> str:
+    """Which policy class a section is, by its ``backend`` key (default ``hf``)."""
+    backend = value.get("backend", "hf") if isinstance(value, Mapping) else value.backend
+    return backend if backend in ("hf", "server") else "hf"  # hf reports a bad value
+
+
+PolicyConfig = Annotated[
+    Annotated[HfPolicyConfig, Tag("hf")] | Annotated[ServerPolicyConfig, Tag("server")],
+    Discriminator(_backend_of),
+]
+"""The ``policy`` section: :class:`HfPolicyConfig` or, with ``backend: server``,
+:class:`ServerPolicyConfig`."""
 
 
 class EnvConfig(Config, title="environment"):

@@ -21,7 +21,7 @@ from envloop.data.datasets import (
     prompt_token_ids,
 )
 from envloop.run.config import RunConfig
-from envloop.run.config_sections import PolicyConfig
+from envloop.run.config_sections import PolicyConfig, ServerPolicyConfig
 
 MAX_SHOWN = 5
 
@@ -61,14 +61,17 @@ def prepare_inputs(config: RunConfig) -> RunInputs:
 
 
 def load_policy_tokenizer(policy: PolicyConfig) -> Any:
-    """The tokenizer ``policy.tokenizer_name`` (by default ``policy.model_name``) names.
-    Raises OSError starting with the key given when it cannot be loaded (e.g. a hub id
-    without network access)."""
+    """The tokenizer ``policy.tokenizer_name`` (by default ``policy.model_name``) names, or
+    with ``backend: server`` ``policy.tokenizer``. Raises OSError starting with the key
+    given when it cannot be loaded (e.g. a hub id without network access)."""
     from envloop.models.tokenizers import get_tokenizer
 
-    given = "tokenizer_name" in policy.model_fields_set and policy.tokenizer_name is not None
-    key = "policy.tokenizer_name" if given else "policy.model_name"
-    name = policy.tokenizer_name
+    if isinstance(policy, ServerPolicyConfig):
+        key, name = "policy.tokenizer", policy.tokenizer
+    else:
+        given = "tokenizer_name" in policy.model_fields_set and policy.tokenizer_name is not None
+        key = "policy.tokenizer_name" if given else "policy.model_name"
+        name = policy.tokenizer_name
     try:
         return get_tokenizer({"name": name})
     except (OSError, ValueError) as exc:

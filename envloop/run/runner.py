@@ -27,8 +27,14 @@ from envloop.experience.async_rollouts import RolloutStream
 from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
+from envloop.models.generation.server_generation import ServerGeneration
 from envloop.run.config import RunConfig
-from envloop.run.config_sections import PolicyConfig, RayConfig, RolloutConfig
+from envloop.run.config_sections import (
+    PolicyConfig,
+    RayConfig,
+    RolloutConfig,
+    ServerPolicyConfig,
+)
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
 from envloop.run.metrics import (
     TaskStats,
@@ -40,6 +46,9 @@ from envloop.run.outputs import RunWriter
 from envloop.run.preflight import RunInputs, prepare_inputs
 from envloop.run.progress import Progress
 from envloop.run.records import TOKEN_KEYS, sample_records
+
+Policy = HfGeneration | ServerGeneration
+"""The backends a run config can name (``policy.backend``)."""
 
 
 @dataclass
@@ -71,7 +80,7 @@ def run(
     startup.seconds["prompt_tokenization"] = inputs.seconds
     with startup.phase("ray"):
         ray_started = start_ray(config.ray)
-    policy: HfGeneration | None = None
+    policy: Policy | None = None
     envs: dict[str, Any] = {}
     try:
         with startup.phase("envs_launch"):
@@ -82,7 +91,8 @@ def run(
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
         progress = Progress(batch.size, out, quiet, per_sample=config.rollout.mode == "async")
-        policy.on_decode_step = progress.on_tokens  # a live token count while it generates
+        if isinstance(policy, HfGeneration):  # a live token count while it generates
+            policy.on_decode_step = progress.on_tokens
         return _roll_out(config, policy, batch, envs, progress, started, startup)
     finally:
         stop_envs(envs)
@@ -94,8 +104,10 @@ def run(
             ray.shutdown()
 
 
-def make_policy(policy: PolicyConfig) -> HfGeneration:
+def make_policy(policy: PolicyConfig) -> Policy:
     """The policy of the ``policy`` section (the backend's own config)."""
+    if isinstance(policy, ServerPolicyConfig):
+        return ServerGeneration(policy)
     return HfGeneration(policy)
 
 
@@ -118,7 +130,7 @@ def start_ray(ray_config: RayConfig) -> bool:
 
 def _roll_out(
     config: RunConfig,
-    policy: HfGeneration,
+    policy: Policy,
     batch: BatchedDataDict[Any],
     envs: dict[str, Any],
     progress: Progress,
@@ -152,7 +164,7 @@ def _roll_out(
 
 def _roll_out_batch(
     rollout: RolloutConfig,
-    policy: HfGeneration,
+    policy: Policy,
     part: BatchedDataDict[Any],
     envs: dict[str, Any],
     progress: Progress,

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 import typing
 from typing import Annotated, Literal
 
@@ -280,13 +281,30 @@ def test_reference_rows_cover_every_leaf_field():
 
 
 def _count_leaves(cls) -> int:
-    total = 0
-    for f in cls.model_fields.values():
+    return len(_leaf_keys(cls))
+
+
+def _leaf_keys(cls) -> set[str]:
+    """Every leaf key of a config class; a section with variants (a union of config
+    classes, like ``policy``) has the keys of all of them."""
+    keys = set()
+    for name, f in cls.model_fields.items():
         hint = f.annotation
         inner = typing.get_args(hint)[1] if typing.get_origin(hint) is dict else hint
-        nested = isinstance(inner, type) and issubclass(inner, Config)
-        total += _count_leaves(inner) if nested else 1
-    return total
+        variants = (
+            [
+                typing.get_args(m)[0] if typing.get_origin(m) is typing.Annotated else m
+                for m in typing.get_args(inner)
+            ]
+            if typing.get_origin(inner) in (typing.Union, types.UnionType)
+            else [inner]
+        )
+        sections = [v for v in variants if isinstance(v, type) and issubclass(v, Config)]
+        if sections:
+            keys |= {f"{name}.{key}" for section in sections for key in _leaf_keys(section)}
+        else:
+            keys.add(name)
+    return keys
 
 
 class Inner(Config):
