@@ -105,23 +105,25 @@ class ServerClient:
         for attempt in range(attempts):
             server = self.router.acquire(key)
             self.counts["requests"] += 1
-            try:
+            answered = False
+            try:  # released however it ends, a cancellation included
                 result = parse(await self._post(server, self.dialect.path, body))
+                answered = True
             except (RetryableFailure, MalformedReply) as exc:
-                self.router.release(server, ok=False)
                 error = f"{server.url}{self.dialect.path}: {exc}"
-                if attempt + 1 == attempts:
-                    raise GenerationFailed(
-                        f"generation failed after {attempts} attempt(s); last: {error}"
-                    ) from None
-                self.counts["retries"] += 1
-                await asyncio.sleep(self._backoff(attempt))
-                continue
             except GenerationFailed:
-                self.router.release(server, ok=True)
+                answered = True  # the server answered: the request was at fault
                 raise
-            self.router.release(server, ok=True)
-            return result
+            finally:
+                self.router.release(server, ok=answered)
+            if answered:
+                return result
+            if attempt + 1 == attempts:
+                raise GenerationFailed(
+                    f"generation failed after {attempts} attempt(s); last: {error}"
+                )
+            self.counts["retries"] += 1
+            await asyncio.sleep(self._backoff(attempt))
         raise AssertionError("unreachable")
 
     async def _post(self, server: ServerSlot, path: str, body: dict[str, Any]) -> Any:

@@ -186,8 +186,10 @@ class SglangDialect(ServerDialect):
         if not all(isinstance(e, (list, tuple)) and len(e) >= 2 for e in entries):
             raise MalformedReply("meta_info.output_token_logprobs: expected [logprob, id, text]")
         named = [e[1] for e in entries]
-        tokens = payload.get("output_ids", named)
-        if list(tokens) != named:
+        tokens = payload.get("output_ids")
+        if tokens is None:
+            tokens = named
+        if not isinstance(tokens, list) or tokens != named:
             raise MalformedReply("output_ids and meta_info.output_token_logprobs disagree")
         reason = _field(meta, "finish_reason", dict)
         kind = reason.get("type")
@@ -206,7 +208,8 @@ class LlamaCppDialect(ServerDialect):
     of a stop string included. ``completion_probabilities`` is not one to one with them:
     the server keeps no entry for a token that ends in the middle of a UTF-8 character,
     and after a stop string it drops as many trailing entries as the stop string has
-    tokens. Entries are matched to tokens by id, and a token without one gets None, which
+    tokens. Entries are matched to tokens by id; an entry that could belong to either of
+    two equal tokens is not used, and a token without an entry gets None, which
     :meth:`score_body` recovers.
 
     >>> reply = LlamaCppDialect().parse({"tokens": [4, 5, 6], "stop_type": "word",
@@ -272,16 +275,14 @@ class LlamaCppDialect(ServerDialect):
     def parse(self, payload: Any) -> Reply:
         tokens = _field(payload, "tokens", list)
         entries = payload.get("completion_probabilities") or []
-        logprobs: list[float | None] = []
-        k = 0
-        for token in tokens:
-            if k < len(entries) and entries[k].get("id") == token:
-                logprobs.append(_entry_logprob(entries[k]))
-                k += 1
-            else:
-                logprobs.append(None)
-        if k != len(entries):
+        ids = [entry.get("id") if isinstance(entry, dict) else None for entry in entries]
+        earliest, latest = _match_left(tokens, ids), _match_right(tokens, ids)
+        if earliest is None or latest is None:
             raise MalformedReply("completion_probabilities do not follow the order of tokens")
+        logprobs: list[float | None] = [None] * len(tokens)
+        for entry, first, last in zip(entries, earliest, latest):
+            if first == last:  # else the entry could belong to more than one repeated token
+                logprobs[first] = _entry_logprob(entry)
         stop_type = payload.get("stop_type")
         finish = _LLAMA_FINISH.get(stop_type)
         if finish is None:
@@ -351,6 +352,28 @@ def _reply(tokens: Any, logprobs: list[Any], finish: Finish) -> Reply:
             raise MalformedReply(f"log-probability {value!r} is not a number")
         values.append(float(value))
     return Reply(list(tokens), list(values), finish)
+
+
+def _match_left(tokens: list[Any], ids: list[Any]) -> list[int] | None:
+    """The earliest position of ``tokens`` each of ``ids`` (a subsequence) can take, in
+    order; None when they are not a subsequence."""
+    positions, p = [], 0
+    for token_id in ids:
+        while p < len(tokens) and tokens[p] != token_id:
+            p += 1
+        if p == len(tokens):
+            return None
+        positions.append(p)
+        p += 1
+    return positions
+
+
+def _match_right(tokens: list[Any], ids: list[Any]) -> list[int] | None:
+    """The latest position each of ``ids`` can take (see :func:`_match_left`)."""
+    reversed_positions = _match_left(tokens[::-1], ids[::-1])
+    if reversed_positions is None:
+        return None
+    return [len(tokens) - 1 - p for p in reversed_positions[::-1]]
 
 
 def _entry_logprob(entry: dict[str, Any]) -> float:

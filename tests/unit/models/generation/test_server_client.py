@@ -343,11 +343,6 @@ def test_concurrent_rows_stay_within_max_concurrent_requests():
     assert server.peak == limit
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ServerClient._call releases its server only on an answer or a failure: a "
-    "cancelled request (an interrupted generate) stays outstanding on the router for good",
-)
 def test_a_cancelled_request_is_no_longer_outstanding():
     async def scenario() -> ServerClient:
         async with serving(never) as server:

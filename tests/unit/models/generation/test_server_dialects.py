@@ -499,17 +499,15 @@ def test_llamacpp_gaps_mid_character_and_after_a_stop_word_are_none_exactly_ther
     assert entries[1]["bytes"] == [0xE2, 0x82, 0xAC]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LlamaCppDialect.parse matches entries to tokens greedily by id: a token without "
-    "an entry followed by the same id gets the next token's entry",
-)
-def test_llamacpp_gap_before_a_repeated_token_stays_at_the_gap():
+def test_llamacpp_entry_that_could_belong_to_either_repeated_token_is_not_used():
     """``"₂"`` is the bytes E2 82 82; generated as three byte tokens, the first two end
-    mid-way through the character and only the third gets an entry."""
+    mid-way through the character and only the third gets an entry. By id alone the entry
+    could be the second token's or the third's, so neither takes it: both are scored."""
     e2, x82 = 158, 224  # byte-level tokens of the bytes 0xE2 and 0x82
     payload = llama_answer([e2, x82, x82], [entry(x82, "₂", 0.5)], "eos", "₂")
-    assert LlamaCppDialect().parse(payload).logprobs == [None, None, math.log(0.5)]
+    assert LlamaCppDialect().parse(payload).logprobs == [None, None, None]
+    payload = llama_answer([e2, x82, 5], [entry(x82, "₂", 0.5), entry(5, "x", 1.0)], "eos", "")
+    assert LlamaCppDialect().parse(payload).logprobs == [None, math.log(0.5), 0.0]
 
 
 @pytest.mark.parametrize(
