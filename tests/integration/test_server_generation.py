@@ -270,6 +270,7 @@ def test_a_server_that_gives_no_token_ids_is_refused_at_start_up(server):
         server_policy([server.url], dialect="sglang")
 
 
-def test_an_unreachable_server_fails_start_up_with_the_url(server):
+@pytest.mark.parametrize("dialect", ["llamacpp", "vllm"])  # vllm: asks /v1/models first
+def test_an_unreachable_server_fails_start_up_with_the_url(dialect):
     with pytest.raises(RuntimeError, match=r"http://127\.0\.0\.1:9/? did not answer"):
-        server_policy(["http://127.0.0.1:9"], startup_timeout_s=0.5)
+        server_policy(["http://127.0.0.1:9"], dialect=dialect, startup_timeout_s=0.5)

@@ -93,11 +93,15 @@ class ServerClient:
         return self.dialect.parse(payload)
 
     async def get_json(self, url: str) -> Any:
+        """GET ``url``'s JSON; a server not (yet) answering raises :class:`RetryableFailure`."""
         assert self._session is not None
-        async with self._session.get(url) as response:
-            if response.status != 200:
-                raise RetryableFailure(f"GET {url}: HTTP {response.status}")
-            return await response.json(content_type=None)
+        try:
+            async with self._session.get(url) as response:
+                if response.status != 200:
+                    raise RetryableFailure(f"GET {url}: HTTP {response.status}")
+                return await response.json(content_type=None)
+        except _UNREACHABLE as exc:
+            raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
 
     async def _call(self, body: dict[str, Any], key: Any, parse: Any) -> Any:
         """POST ``body`` to the dialect's path and ``parse`` the answer, with retries."""
@@ -134,7 +138,7 @@ class ServerClient:
                 async with self._session.post(url, data=json.dumps(body), headers=_JSON) as reply:
                     text = await reply.text()
                     status = reply.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except _UNREACHABLE as exc:
                 raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
         if status == 429 or status >= 500:
             raise RetryableFailure(f"HTTP {status}: {text[:300]}")
@@ -184,6 +188,8 @@ class ServerClient:
 
 
 _JSON = {"Content-Type": "application/json"}
+_UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+"""What a request raises when its server cannot be reached or does not answer in time."""
 
 
 def _describe(exc: BaseException, timeout_s: float) -> str:
