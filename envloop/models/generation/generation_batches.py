@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import asyncio
+import concurrent.futures
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -96,6 +98,23 @@ def build_output(
         logprobs=logprobs,
         truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
     )
+
+
+T = TypeVar("T")
+
+
+async def finished_rows(
+    futures: Sequence[concurrent.futures.Future[T]],
+) -> AsyncIterator[tuple[int, T]]:
+    """``(row, result)`` of each of ``futures`` (one per row, completed on other threads) as
+    it finishes, without blocking the event loop; rows that finish together in row order.
+    Cancelling what is left when the caller stops is the caller's."""
+    rows = {asyncio.wrap_future(future): row for row, future in enumerate(futures)}
+    pending = set(rows)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for waiter in sorted(done, key=rows.__getitem__):
+            yield rows[waiter], waiter.result()
 
 
 def _input_error(problems: list[str]) -> ValueError:

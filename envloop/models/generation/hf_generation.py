@@ -24,6 +24,7 @@ from envloop.models.generation.decode_loop import DecodeRequest, DecodeSettings,
 from envloop.models.generation.generation_batches import (
     build_output,
     check_generation_input,
+    finished_rows,
     generation_columns,
     sample_budgets,
 )
@@ -134,13 +135,9 @@ class HfGeneration(GenerationInterface):
                 yield item
             return
         batch, jobs = self._submit(data, greedy)
-        rows = {asyncio.wrap_future(future): row for row, (_, future) in enumerate(jobs)}
-        pending = set(rows)
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for future in sorted(done, key=rows.__getitem__):
-                    yield rows[future], self._row_output(batch, rows[future], future.result())
+            async for row, result in finished_rows([future for _, future in jobs]):
+                yield row, self._row_output(batch, row, result)
         finally:
             _abandon(jobs)
 

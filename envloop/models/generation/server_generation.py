@@ -25,6 +25,7 @@ from envloop.models.generation.decode_loop import SampleResult
 from envloop.models.generation.generation_batches import (
     build_output,
     check_generation_input,
+    finished_rows,
     generation_columns,
     sample_budgets,
 )
@@ -118,14 +119,9 @@ class ServerGeneration(GenerationInterface):
         request is sent at once (up to ``max_concurrent_requests`` over all calls)."""
         batch, calls = self._prepare(data, greedy)
         futures = [self._loop.submit(call) for call in calls]
-        rows = {asyncio.wrap_future(future): row for row, future in enumerate(futures)}
-        pending = set(rows)
         try:
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in sorted(done, key=rows.__getitem__):
-                    row = rows[waiter]
-                    yield row, self._output(batch, [row], [waiter.result()])
+            async for row, result in finished_rows(futures):
+                yield row, self._output(batch, [row], [result])
         finally:
             for future in futures:
                 future.cancel()
