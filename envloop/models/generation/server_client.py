@@ -163,9 +163,15 @@ class ServerClient:
             return [float(v) for v in reply.logprobs]  # type: ignore[arg-type]
         if not isinstance(self.dialect, LlamaCppDialect):
             raise GenerationFailed("the server reported no log-probability for some tokens")
+        scores = await asyncio.gather(  # concurrently: one round trip, not one per gap
+            *(
+                self._score(request, reply.tokens[:i], reply.tokens[i], sampling, key)
+                for i in missing
+            )
+        )
         filled = list(reply.logprobs)
-        for i in missing:
-            filled[i] = await self._score(request, reply.tokens[:i], reply.tokens[i], sampling, key)
+        for i, value in zip(missing, scores):
+            filled[i] = value
         return filled  # type: ignore[return-value]
 
     async def _score(
