@@ -9,6 +9,8 @@ import torch
 
 from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType, TaskDataSpec
 from envloop.data.message_tokens import message_token_ids
+from envloop.data.multimodal_messages import format_with_processor
+from envloop.data.multimodal_utils import is_processor
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
 
@@ -161,6 +163,13 @@ def get_formatted_message_log(
     generation prompt follows. The template must render each prefix of the conversation
     as a prefix of the next rendering (true of ChatML, Llama 3 and most templates).
 
+    ``tokenizer`` may be a multimodal processor, and message contents lists of parts
+    (``{"type": "text", "text": ...}``, ``{"type": "image", "image": ...}``): messages with
+    images then carry their image placeholders expanded in ``token_ids`` and their vision
+    inputs (e.g. ``pixel_values``, ``image_grid_thw``) as one-item ``PackedTensor`` values,
+    and the concatenated ``token_ids`` equal ``processor.apply_chat_template(log,
+    tokenize=True)`` (see ``envloop.data.multimodal_utils``).
+
     ``task_data_spec`` (third, as in the published signature): its ``prompt``, a format
     string, is applied to the first user message's content (``prompt.format(content)``)
     before templating; the returned message carries the formatted content. ``tools`` is
@@ -171,6 +180,11 @@ def get_formatted_message_log(
             "get_formatted_message_log's third parameter is task_data_spec (a TaskDataSpec or "
             "None); pass add_bos_token and the other flags by keyword."
         )
+    if is_processor(tokenizer):
+        return format_with_processor(
+            message_log, tokenizer, task_data_spec, add_bos_token, add_eos_token,
+            add_generation_prompt, tools, debug,
+        )  # fmt: skip
     log, token_lists = message_token_ids(
         message_log, tokenizer, task_data_spec, add_bos_token, add_eos_token,
         add_generation_prompt, tools, debug,

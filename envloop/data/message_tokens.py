@@ -32,7 +32,27 @@ def message_token_ids(
     """The log as templated (``task_data_spec.prompt`` applied to the first user message)
     and each message's token ids: its part of the templated conversation, so that their
     concatenation is the whole conversation tokenized. The arguments are those of
-    ``get_formatted_message_log``, which documents them."""
+    ``get_formatted_message_log``, which documents them. (With a processor, image parts
+    render as the template's placeholders, not expanded; ``multimodal_messages`` expands them.)
+    """
+    log, chunks = templated_chunks(
+        message_log, tokenizer, task_data_spec, add_generation_prompt, tools, debug
+    )
+    text = text_only_tokenizer(tokenizer)
+    token_lists = tokenize_texts(text, chunks)
+    add_bos_eos(token_lists, text, add_bos_token, add_eos_token and not add_generation_prompt)
+    return log, token_lists
+
+
+def templated_chunks(
+    message_log: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    task_data_spec: TaskDataSpec | None = None,
+    add_generation_prompt: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    debug: bool = False,
+) -> tuple[MessageLog, list[str]]:
+    """The log as templated and each message's chunk of the templated conversation's text."""
     log = with_task_prompt(message_log, task_data_spec)
     texts = [
         render_chat(tokenizer, log[: i + 1], add_generation_prompt and i == len(log) - 1, tools)
@@ -41,9 +61,14 @@ def message_token_ids(
     deltas = _prefix_deltas(texts)
     if debug:
         _print_turns(log, deltas, texts[-1] if texts else "")
-    token_lists = tokenize_texts(tokenizer, deltas)
-    _add_bos_eos(token_lists, tokenizer, add_bos_token, add_eos_token and not add_generation_prompt)
-    return log, token_lists
+    return log, deltas
+
+
+def text_only_tokenizer(tokenizer_or_processor: Any) -> Any:
+    """The text tokenizer of a multimodal processor, or the tokenizer itself."""
+    if hasattr(tokenizer_or_processor, "image_processor"):
+        return tokenizer_or_processor.tokenizer
+    return tokenizer_or_processor
 
 
 def with_task_prompt(
@@ -54,7 +79,16 @@ def with_task_prompt(
     prompt = getattr(spec, "prompt", None)
     first_user = next((i for i, m in enumerate(out) if m.get("role") == "user"), None)
     if prompt and first_user is not None:
-        out[first_user]["content"] = prompt.format(out[first_user]["content"])
+        content = out[first_user]["content"]
+        if isinstance(content, list):  # multimodal parts: format the text parts
+            out[first_user]["content"] = [
+                {**part, "text": prompt.format(part["text"])}
+                if isinstance(part, Mapping) and part.get("type") == "text"
+                else part
+                for part in content
+            ]
+        else:
+            out[first_user]["content"] = prompt.format(content)
     return out
 
 
@@ -84,7 +118,7 @@ def _prefix_deltas(texts: list[str]) -> list[str]:
     return deltas
 
 
-def _add_bos_eos(token_lists: list[list[int]], tokenizer: Any, bos: bool, eos: bool) -> None:
+def add_bos_eos(token_lists: list[list[int]], tokenizer: Any, bos: bool, eos: bool) -> None:
     if not token_lists:
         return
     bos_id, eos_id = getattr(tokenizer, "bos_token_id", None), tokenizer.eos_token_id
