@@ -10,8 +10,9 @@ import torch
 from envloop.data.interfaces import FlatMessagesType, LLMMessageLogType, TaskDataSpec
 from envloop.data.message_tokens import message_token_ids
 from envloop.data.multimodal_messages import format_with_processor
-from envloop.data.multimodal_utils import is_processor
+from envloop.data.multimodal_utils import PackedTensor, is_processor
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.packed_tensor import common_dim_to_pack
 
 
 def get_keys_from_message_log(
@@ -35,6 +36,15 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
     keys they lack. A key's tensors must agree in dtype, device, rank and trailing shape
     (``RuntimeError`` naming the key otherwise).
 
+    A key whose values are ``PackedTensor`` (a message's vision inputs, e.g.
+    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]) becomes a one-item
+    ``PackedTensor``: the items of every message holding the key, concatenated along
+    ``dim_to_pack`` in message order (the log's images in the order the model sees their
+    placeholders). Messages without the key contribute nothing (vision inputs are not
+    per-token, so nothing is zero-filled).
+    A key that is a ``PackedTensor`` in one message must be one in every message holding it
+    (``TypeError`` naming the key otherwise).
+
     >>> log = [
     ...     {"role": "user", "content": "a", "token_ids": torch.tensor([1, 2])},
     ...     {"role": "assistant", "content": "b", "token_ids": torch.tensor([3]),
@@ -43,19 +53,30 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
     >>> flat = message_log_to_flat_messages(log)
     >>> flat["token_ids"].tolist(), flat["generation_logprobs"].tolist(), flat["content"]
     ([1, 2, 3], [0.0, 0.0, -0.5], ['a', 'b'])
+    >>> log[0]["pixel_values"] = PackedTensor([torch.ones(4, 6)], dim_to_pack=0)
+    >>> log[1]["pixel_values"] = PackedTensor([torch.zeros(2, 6)], dim_to_pack=0)
+    >>> pixels = message_log_to_flat_messages(log)["pixel_values"]
+    >>> len(pixels), tuple(pixels[0].shape)
+    (1, (6, 6))
     """
     templates: dict[str, torch.Tensor] = {}
+    packed_keys: dict[str, None] = {}
     for message in message_log:
         for key, value in message.items():
             if isinstance(value, torch.Tensor):
                 templates.setdefault(key, value)
+            elif isinstance(value, PackedTensor):
+                packed_keys[key] = None
+    _check_packed_keys_hold_only_packed(message_log, packed_keys)
     flat: FlatMessagesType = {}
     for key, template in templates.items():
         parts = [_per_token_part(message, key, template) for message in message_log]
         flat[key] = _concat_parts(key, [p for p in parts if p is not None])
+    for key in packed_keys:
+        flat[key] = _packed_log_item(key, [m[key] for m in message_log if key in m])
     for message in message_log:
         for key, value in message.items():
-            if key not in templates:
+            if key not in templates and key not in packed_keys:
                 flat.setdefault(key, []).append(value)  # type: ignore[union-attr]
     return flat
 
@@ -73,7 +94,10 @@ def batched_message_log_to_flat_message(
     keys share L, the longest flattened tensor rounded up to a multiple of
     ``make_sequence_length_divisible_by``. A sample with no tensor for a key gets an all-pad
     row. ``input_lengths`` is [B] int32: per sample, its longest flattened tensor (its
-    ``token_ids`` length for tokenized logs). Other keys become per-sample lists of the
+    ``token_ids`` length for tokenized logs). ``PackedTensor`` keys (vision inputs) become
+    one ``PackedTensor`` with one item per sample: that sample's items of every message,
+    concatenated (None for a sample without the key); they do not count towards
+    ``input_lengths`` or L. Other keys become per-sample lists of the
     messages' values (``[]`` for a sample without the key). A batch with no tensors at all
     maps each key to each sample's first value (None if absent) with empty
     ``input_lengths``, as the published interface does; an empty batch gives an empty
@@ -85,6 +109,10 @@ def batched_message_log_to_flat_message(
     >>> flat, lengths = batched_message_log_to_flat_message(logs, {"token_ids": 0}, 4)
     >>> flat["token_ids"].tolist(), lengths.tolist(), flat["role"]
     ([[1, 2, 3, 0], [4, 0, 0, 0]], [3, 1], [['user'], ['user']])
+    >>> logs[1][0]["pixel_values"] = PackedTensor([torch.ones(4, 6)], dim_to_pack=0)
+    >>> flat, lengths = batched_message_log_to_flat_message(logs)
+    >>> flat["pixel_values"], lengths.tolist()
+    (PackedTensor(2 items [None, (4, 6)], dim_to_pack=0), [3, 1])
     """
     if make_sequence_length_divisible_by < 1:
         raise ValueError(
@@ -95,10 +123,16 @@ def batched_message_log_to_flat_message(
     if not flats:
         return BatchedDataDict(), torch.empty(0, dtype=torch.int32)
     keys = _union_keys(flats)
+    packed = {
+        k: _packed_batch(k, [f.get(k) for f in flats])
+        for k in keys
+        if any(isinstance(f.get(k), PackedTensor) for f in flats)
+    }
+    keys = [k for k in keys if k not in packed]
     tensor_keys = [k for k in keys if any(isinstance(f.get(k), torch.Tensor) for f in flats)]
     if not tensor_keys:
         first_values = {k: [f[k][0] if k in f else None for f in flats] for k in keys}
-        return BatchedDataDict(first_values), torch.empty(0, dtype=torch.int32)
+        return BatchedDataDict({**first_values, **packed}), torch.empty(0, dtype=torch.int32)
     lengths = [max((len(f[k]) for k in tensor_keys if k in f), default=0) for f in flats]
     step = make_sequence_length_divisible_by
     width = -(-max(lengths) // step) * step
@@ -110,6 +144,7 @@ def batched_message_log_to_flat_message(
             out[key] = _pad_rows(key, values, pad_values.get(key, 0), width)
         else:
             out[key] = [v if v is not None else [] for v in values]
+    out.update(packed)
     return out, torch.tensor(lengths, dtype=torch.int32)
 
 
@@ -242,6 +277,46 @@ def _per_token_part(
         return None
     shape = (len(ids), *template.shape[1:])
     return torch.zeros(shape, dtype=template.dtype, device=template.device)
+
+
+def _check_packed_keys_hold_only_packed(
+    message_log: LLMMessageLogType, packed_keys: Mapping[str, None]
+) -> None:
+    for j, message in enumerate(message_log):
+        for key in packed_keys:
+            if key in message and not isinstance(message[key], PackedTensor):
+                raise TypeError(
+                    f"message {j}: {key!r} is a {type(message[key]).__name__}, but a "
+                    f"PackedTensor in other messages of the log. Store {key!r} (a vision "
+                    "input) as a PackedTensor in every message that has it, as "
+                    "get_formatted_message_log does."
+                )
+
+
+def _packed_log_item(key: str, values: list[PackedTensor]) -> PackedTensor:
+    """One item: every message's items of ``key`` concatenated (None if none present)."""
+    dim = common_dim_to_pack(values, key)
+    present = [t for v in values for t in v.present]
+    _validate_tensor_consistency(
+        [t.movedim(dim, 0) for t in present], key, "in one message log's PackedTensor items"
+    )
+    return PackedTensor.flattened_concat([PackedTensor(present, dim)])
+
+
+def _packed_batch(key: str, values: list[Any]) -> PackedTensor:
+    """Per-sample one-item PackedTensors joined, None items for samples without ``key``."""
+    others = [i for i, v in enumerate(values) if v is not None and not isinstance(v, PackedTensor)]
+    if others:
+        raise TypeError(
+            f"{key!r} is a PackedTensor in some samples and a {type(values[others[0]]).__name__} "
+            f"in samples {others}. Store {key!r} as a PackedTensor in every message that has it."
+        )
+    packed = [v for v in values if v is not None]
+    dim = common_dim_to_pack(packed, key)
+    _validate_tensor_consistency(
+        [t.movedim(dim, 0) for v in packed for t in v.present], key, "across the batch"
+    )
+    return PackedTensor.concat([PackedTensor([None], dim) if v is None else v for v in values])
 
 
 def _concat_parts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -6,15 +6,21 @@ module holds the dict and its row and column operations.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 import torch
 from typing_extensions import Self
 
-from envloop.distributed.columns import batch_len, concat_column, first_column_len, unsupported
+from envloop.distributed.columns import (
+    batch_len,
+    concat_column,
+    deepcopy_sharing_images,
+    first_column_len,
+    unsupported,
+)
 from envloop.distributed.microbatches import MicroBatchMixin
+from envloop.distributed.packed_tensor import PackedTensor
 from envloop.distributed.sharding import (
     BatchSplitError,
     DynamicBatchingArgs,
@@ -46,7 +52,11 @@ class MissingKeyError(KeyError, ValueError):
 
 
 class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
-    """A ``dict`` of ``key -> list | Tensor`` whose values share the leading (batch) dimension.
+    """A ``dict`` of ``key -> list | Tensor | PackedTensor`` whose values share the leading
+    (batch) dimension.
+
+    A ``PackedTensor`` column holds one item per sample (e.g. a sample's image patches,
+    None for a sample without images); row operations move its items without copying them.
 
     The type parameter names the TypedDict describing the columns, e.g.
     ``BatchedDataDict[GenerationOutputSpec]``; it is for readers and type checkers only.
@@ -82,10 +92,12 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         logs formats to megabytes; ``asyncio.run`` formats its result's repr on some Python
         versions). ``dict(batch)`` shows the values.
 
-        >>> BatchedDataDict({"x": torch.zeros(2, 3), "name": ["a", "b"]})
+        >>> pixels = PackedTensor([torch.zeros(4, 6), None], dim_to_pack=0)
+        >>> BatchedDataDict({"x": torch.zeros(2, 3), "name": ["a", "b"], "pixels": pixels})
         BatchedDataDict(
           x: Tensor[2, 3] float32,
           name: list[2],
+          pixels: PackedTensor[2, 1 present] float32,
         )
         """
         if not self:
@@ -125,22 +137,41 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                 out[key] = value[index_tensor.to(value.device)]
             elif isinstance(value, list):
                 out[key] = [value[i] for i in index_list]
+            elif isinstance(value, PackedTensor):
+                out[key] = value.slice(index_list)
             else:
                 raise unsupported(key, value)
         return out
 
     def slice(self, start: int, end: int) -> Self:
-        """Rows ``start:end`` (views of tensors, new lists), without micro-batch metadata."""
+        """Rows ``start:end`` (views of tensors, new lists and PackedTensors of the same
+        items), without micro-batch metadata."""
         out = type(self)()
         for key, value in self.items():
             batch_len(key, value)
-            out[key] = value[start:end]
+            if isinstance(value, PackedTensor):
+                out[key] = value.slice(slice(start, end))
+            else:
+                out[key] = value[start:end]
         return out
 
     def repeat_interleave(self, num_repeats: int) -> Self:
         """Each row repeated ``num_repeats`` times in place (``a a b b``), e.g. for GRPO groups.
 
-        List entries are deep-copied per repeat, so repeated samples never share mutable state.
+        List entries are deep-copied per repeat, so repeated samples never share mutable state,
+        except image data, which is immutable and large: PIL images inside list entries (e.g.
+        image parts of message contents) and the tensors of ``PackedTensor`` values (columns,
+        or per-message vision inputs) are shared by the repeats, not copied.
+
+        >>> pixels = PackedTensor([torch.ones(4, 3), None], dim_to_pack=0)
+        >>> logs = [[{"role": "user", "pixel_values": pixels.slice([0])}], [{"role": "user"}]]
+        >>> r = BatchedDataDict({"pixel_values": pixels, "message_log": logs}).repeat_interleave(2)
+        >>> r["pixel_values"][1] is r["pixel_values"][0] is pixels[0]
+        True
+        >>> r["message_log"][1] is r["message_log"][0]
+        False
+        >>> r["message_log"][1][0]["pixel_values"][0] is pixels[0]
+        True
         """
         if num_repeats < 1:
             raise ValueError(f"repeat_interleave needs num_repeats >= 1, got {num_repeats}.")
@@ -149,7 +180,13 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
             if isinstance(value, torch.Tensor):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
             elif isinstance(value, list):
-                out[key] = [copy.deepcopy(item) for item in value for _ in range(num_repeats)]
+                out[key] = [
+                    repeat
+                    for item in value
+                    for repeat in deepcopy_sharing_images(item, num_repeats)
+                ]
+            elif isinstance(value, PackedTensor):
+                out[key] = value.repeat_interleave(num_repeats)
             else:
                 raise unsupported(key, value)
         return out
@@ -284,7 +321,8 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
 
     def truncate_tensors(self, dim: int, truncated_len: int) -> None:
         """Cut every tensor with more than ``dim`` dims to at most ``truncated_len`` along
-        ``dim``, in place (views); other columns are left alone."""
+        ``dim``, in place (views); other columns (lists, ``PackedTensor`` per-sample inputs
+        such as image patches, which are not per-token) are left alone."""
         for key, value in list(self.items()):
             if isinstance(value, torch.Tensor) and value.dim() > dim:
                 self[key] = value.narrow(dim, 0, min(truncated_len, value.shape[dim]))
@@ -299,7 +337,9 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
 
         Lists concatenate; 1-D tensors concatenate; 2-D and higher tensors are right-padded
         along dim 1 (the sequence dim: [B, S], [B, S, K], [B, S, L, K]) to the longest, with
-        ``pad_value_dict[key]`` (default 0).
+        ``pad_value_dict[key]`` (default 0); ``PackedTensor`` values concatenate their items
+        (``PackedTensor.concat``). A key must have one kind of value in every non-empty batch
+        (``TypeError`` naming the key otherwise).
 
         Keys: the result has every key of any batch. An empty batch (0 rows, or no keys) may
         lack keys and adds nothing to them; a non-empty batch lacking a key another batch
@@ -322,6 +362,7 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                     f"from_batches: key {key!r} is missing from non-empty batches {missing}. "
                     "Every non-empty batch needs every key (only empty batches may omit keys); "
                     f"add {key!r} to those batches or drop it from the others."
+                    + _packed_hint(key, batches)
                 )
         for i, batch in enumerate(batches):
             sizes = {key: batch_len(key, value) for key, value in batch.items()}
@@ -329,15 +370,16 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                 raise ValueError(f"from_batches: batch {i} has mismatched column sizes {sizes}.")
         out = cls()
         for key in keys:
-            values = [b[key] for b, n in zip(batches, rows) if key in b and n]
-            values = values or [b[key] for b in batches if key in b]
-            out[key] = concat_column(key, values, pad_values.get(key, 0))
+            ids = [i for i, (b, n) in enumerate(zip(batches, rows)) if key in b and n]
+            ids = ids or [i for i, b in enumerate(batches) if key in b]
+            values = [batches[i][key] for i in ids]
+            out[key] = concat_column(key, values, pad_values.get(key, 0), ids)
         return out
 
     def to(self, device: str | torch.device) -> Self:
-        """Move every tensor to ``device`` in place; returns self for chaining."""
+        """Move every tensor and ``PackedTensor`` to ``device`` in place; returns self."""
         for key, value in self.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, (torch.Tensor, PackedTensor)):
                 self[key] = value.to(device)
         return self
 
@@ -383,12 +425,31 @@ class SlicedDataDict(BatchedDataDict[Any]):
     a distinct type for readers and type checkers, otherwise a ``BatchedDataDict``."""
 
 
+def _packed_hint(key: str, batches: Sequence[Mapping[str, Any]]) -> str:
+    """How to fill a missing PackedTensor column, if ``key`` is one in some batch."""
+    if any(isinstance(b.get(key), PackedTensor) for b in batches):
+        return (
+            f" {key!r} is a PackedTensor: a batch whose samples lack it holds "
+            "PackedTensor([None] * rows, dim_to_pack)."
+        )
+    return ""
+
+
 def _column_summary(value: Any) -> str:
-    """``Tensor[2, 3] float32``, ``list[4]``, or the type name of anything else."""
+    """``Tensor[2, 3] float32``, ``list[4]``, ``PackedTensor[3, 2 present] float32``, or the
+    type name of anything else."""
     if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        device = "" if value.device.type == "cpu" else f" {value.device}"
-        return f"Tensor[{', '.join(map(str, value.shape))}] {dtype}{device}"
+        return f"Tensor[{', '.join(map(str, value.shape))}]{_dtype_device(value)}"
     if isinstance(value, list):
         return f"list[{len(value)}]"
+    if isinstance(value, PackedTensor):
+        present = value.present
+        dtype = _dtype_device(present[0]) if present else ""
+        return f"PackedTensor[{len(value)}, {len(present)} present]{dtype}"
     return type(value).__name__
+
+
+def _dtype_device(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    device = "" if tensor.device.type == "cpu" else f" {tensor.device}"
+    return f" {dtype}{device}"

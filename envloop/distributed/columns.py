@@ -1,13 +1,18 @@
-"""Column helpers of ``BatchedDataDict``: batch length of a column, concatenating columns."""
+"""Column helpers of ``BatchedDataDict``: batch length of a column, concatenating columns,
+and the deep copy of list entries that keeps image data shared."""
 
 from __future__ import annotations
 
+import copy
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-_SUPPORTED = "a list or a torch.Tensor"
+from envloop.distributed.packed_tensor import PackedTensor, common_dim_to_pack
+
+_SUPPORTED = "a list, a torch.Tensor or a PackedTensor"
 
 
 def first_column_len(batch: Mapping[str, Any]) -> int:
@@ -24,7 +29,7 @@ def batch_len(key: str, value: Any) -> int:
                 f"BatchedDataDict column {key!r} is a 0-d tensor; columns need a batch dimension."
             )
         return int(value.shape[0])
-    if isinstance(value, list):
+    if isinstance(value, (list, PackedTensor)):
         return len(value)
     raise unsupported(key, value)
 
@@ -35,10 +40,40 @@ def unsupported(key: str, value: Any) -> TypeError:
     )
 
 
-def concat_column(key: str, values: list[Any], pad_value: int | float) -> Any:
+def deepcopy_sharing_images(item: Any, times: int) -> list[Any]:
+    """``times`` deep copies of ``item`` that share its image data: PIL images found in its
+    dicts, lists and tuples are not copied, nor are the tensors of its ``PackedTensor``
+    values (``PackedTensor.__deepcopy__``). Everything else (e.g. ``token_ids``) is copied."""
+    shared = {id(image): image for image in _pil_images(item)}
+    return [copy.deepcopy(item, dict(shared)) for _ in range(times)]
+
+
+def _pil_images(item: Any) -> list[Any]:
+    """The PIL images held in ``item``'s nested dicts, lists and tuples."""
+    pil = sys.modules.get("PIL.Image")
+    if pil is None:  # PIL never imported: no PIL image can exist
+        return []
+    found, stack = [], [item]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, pil.Image):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return found
+
+
+def concat_column(
+    key: str, values: list[Any], pad_value: int | float, batch_ids: list[int] | None = None
+) -> Any:
+    """``key``'s values (one per batch; ``batch_ids`` their batch indices, for errors) joined."""
     kinds = {type(v) for v in values}
     if all(isinstance(v, list) for v in values):
         return [item for v in values for item in v]
+    if any(isinstance(v, PackedTensor) for v in values):
+        return _concat_packed(key, values, batch_ids or list(range(len(values))))
     if not all(isinstance(v, torch.Tensor) for v in values):
         names = sorted(k.__name__ for k in kinds)
         raise TypeError(f"from_batches: column {key!r} mixes value types {names}; {_SUPPORTED}.")
@@ -66,3 +101,18 @@ def concat_column(key: str, values: list[Any], pad_value: int | float) -> Any:
         out[row : row + v.shape[0], : v.shape[1]] = v
         row += v.shape[0]
     return out
+
+
+def _concat_packed(key: str, values: list[Any], batch_ids: list[int]) -> PackedTensor:
+    """``PackedTensor.concat`` of one key's batches; every batch must hold a PackedTensor."""
+    others = [i for i, v in enumerate(values) if not isinstance(v, PackedTensor)]
+    if others:
+        names = sorted({type(values[i]).__name__ for i in others})
+        raise TypeError(
+            f"from_batches: column {key!r} is a PackedTensor in some batches and a "
+            f"{' / '.join(names)} in batches {[batch_ids[i] for i in others]}. Give it as a "
+            "PackedTensor in every batch; a batch whose samples lack this input holds "
+            "PackedTensor([None] * rows, dim_to_pack)."
+        )
+    common_dim_to_pack(values, key)
+    return PackedTensor.concat(values)
