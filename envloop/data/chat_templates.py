@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from envloop.data.content_parts import content_text_parts
+
 
 class COMMON_CHAT_TEMPLATES:  # NeMo-RL's name, kept so ported code runs unchanged
     """Chat templates (Jinja, as in a ``tokenizer_config.json``) that NeMo-RL configs name.
@@ -96,14 +98,20 @@ class ObservationRenderer:
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.eos_text: str = tokenizer.eos_token or ""
+        self.tokenizer = tokenizer  # a tokenizer, or a multimodal processor
+        self.eos_text: str = getattr(tokenizer, "tokenizer", tokenizer).eos_token or ""
         self._slots: dict[str, tuple[str, str] | None] = {}
 
-    def render(self, role: str, content: str, response_ended_with_eos: bool) -> str:
-        """The observation's text, starting right after the assistant response."""
-        slot = self._slots[role] if role in self._slots else self._learn_slot(role)
-        text = slot[0] + content + slot[1] if slot else self._render_after_response(role, content)
+    def render(self, role: str, content: Any, response_ended_with_eos: bool) -> str:
+        """The observation's text, starting right after the assistant response. ``content``
+        is a string, or a list of parts (rendered by the template each time)."""
+        if isinstance(content, str):
+            slot = self._slots[role] if role in self._slots else self._learn_slot(role)
+            text = slot[0] + content + slot[1] if slot else None
+        else:
+            slot = text = None
+        if text is None:
+            text = self._render_after_response(role, content)
         if response_ended_with_eos and self.eos_text and text.startswith(self.eos_text):
             text = text[len(self.eos_text) :]
         return text
@@ -115,7 +123,7 @@ class ObservationRenderer:
         self._slots[role] = slot if probe_ok else None
         return self._slots[role]
 
-    def _render_after_response(self, role: str, content: str) -> str:
+    def _render_after_response(self, role: str, content: Any) -> str:
         conversation = [
             {"role": "user", "content": _USER_MARK},
             {"role": "assistant", "content": _ASSISTANT_MARK},
@@ -132,7 +140,7 @@ class ObservationRenderer:
         _, found, after = text.partition(_ASSISTANT_MARK)
         if not found:
             raise ValueError("The chat template dropped the assistant message's content.")
-        if content.strip() not in after:  # e.g. Qwen templates skip roles they do not know
+        if content_text_parts(content).strip() not in after:  # Qwen skips unknown roles
             raise ValueError(
                 f"The chat template drops messages with role {role!r}, so the observation "
                 "would vanish from the sequence. Return observations with a role the template "

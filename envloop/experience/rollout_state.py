@@ -12,16 +12,17 @@ import torch
 
 from envloop.data.chat_templates import ObservationRenderer
 from envloop.data.llm_message_utils import require_token_ids
-from envloop.data.tokenization import tokenize_texts
+from envloop.data.multimodal_utils import text_tokenizer
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import GroupResult
+from envloop.experience.observation_tokens import tokenize_observations
+from envloop.experience.sample_vision import SampleVision
 from envloop.experience.token_buffer import TokenBuffer
 from envloop.experience.turn_steps import (
     Responses,
     assistant_message,
     check_generation_output,
     fit_observation,
-    observation_text,
     split_owned,
     split_responses,
 )
@@ -55,6 +56,7 @@ class RolloutState:
     generation_failed: torch.Tensor  # bool, the policy could not generate its response
     generation_errors: list[str | None]  # the failure text of those samples
     sample_ids: list[str]  # a key per sample, unique across rollouts (server affinity)
+    vision: SampleVision  # each sample's images' vision inputs (prompt and observations)
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # "reward/<name>" totals
     component_names: list[set[str]] = field(default_factory=list)  # each sample's own names
 
@@ -75,7 +77,7 @@ class RolloutState:
     def start(cls, batch: BatchedDataDict[Any], tokenizer: Any, max_seq_len: int) -> RolloutState:
         """Validate ``batch`` and set up state; the batch itself is never mutated."""
         logs, task_names = _checked_logs_and_tasks(batch)
-        pad_id = _pad_id(tokenizer)
+        pad_id = _pad_id(text_tokenizer(tokenizer))
         n = len(logs)
         prompts = [torch.cat([m["token_ids"] for m in log]) if log else _EMPTY for log in logs]
         _check_prompt_lengths(prompts, max_seq_len)
@@ -106,6 +108,7 @@ class RolloutState:
             generation_failed=torch.zeros(n, dtype=torch.bool),
             generation_errors=[None] * n,
             sample_ids=_sample_ids(n),
+            vision=SampleVision.from_logs(logs),
             component_names=[set() for _ in range(n)],
         )
         state.truncated |= state.tokens.lengths >= max_seq_len
@@ -134,12 +137,14 @@ def check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
 def build_generation_input(state: RolloutState, active: torch.Tensor) -> BatchedDataDict[Any]:
     """Step 1: the active samples' token rows, stop strings and remaining token budgets."""
     input_ids, input_lengths = state.tokens.rows(active)
+    samples = active.tolist()
     return BatchedDataDict(
         input_ids=input_ids,
         input_lengths=input_lengths,
-        stop_strings=[state.stop_strings[i] for i in active.tolist()],
+        stop_strings=[state.stop_strings[i] for i in samples],
         max_new_tokens=state.tokens.max_seq_len - input_lengths,
-        sample_ids=[state.sample_ids[i] for i in active.tolist()],
+        sample_ids=[state.sample_ids[i] for i in samples],
+        **(state.vision.columns(samples) if state.vision.any else {}),
     )
 
 
@@ -193,34 +198,47 @@ def append_observations(
     tokenizer: Any,
     renderer: ObservationRenderer | None,
 ) -> None:
-    """Step 5: tokenize every observation in one call, cut to fit, append to logs and rows."""
+    """Step 5: tokenize every observation (text-only ones in one call), cut to fit, append
+    to logs and rows. An observation with images keeps its vision inputs; one that does not
+    fit whole is dropped (its sample is truncated, so the policy never reads it). One that
+    cannot be tokenized fails its sample only."""
     items = [
         (i, group.result.observations[j])
         for group in results
         if group.result is not None
         for j, i in enumerate(group.indices)
     ]
-    texts = [observation_text(obs, renderer, ended_with_eos[i]) for i, obs in items]
+    tokenized = tokenize_observations(
+        tokenizer, [(obs, renderer, ended_with_eos[i]) for i, obs in items]
+    )
     lengths = state.tokens.lengths.tolist()
-    kept_items, kept_ids = [], []
-    for (i, obs), ids in zip(items, tokenize_texts(tokenizer, texts)):
+    kept_items, kept_ids, kept_vision = [], [], []
+    for (i, obs), (ids, vision, error) in zip(items, tokenized):
+        if error is not None:
+            state.failed[i] = True
+            state.errors[i] = f"observation of task {state.task_names[i]!r}: {error}"
+            continue
         kept, truncated = fit_observation(ids, lengths[i], state.tokens.max_seq_len)
         if truncated:
             state.truncated[i] = True
-            obs = {"role": obs["role"], "content": tokenizer.decode(kept)}
+            if vision:  # images cannot be cut: the whole observation goes
+                kept, vision = [], {}
+            obs = {"role": obs["role"], "content": text_tokenizer(tokenizer).decode(kept)}
         if kept or not truncated:  # an empty observation that fits is still a message
             kept_items.append((i, obs))
             kept_ids.append(kept)
+            kept_vision.append(vision)
     if not kept_items:
         return
     rows = torch.tensor([i for i, _ in kept_items], dtype=torch.long)
     counts = [len(ids) for ids in kept_ids]
     flat = torch.tensor(list(itertools.chain.from_iterable(kept_ids)), dtype=torch.long)
-    for (i, obs), token_ids in zip(kept_items, split_owned(flat, counts)):
+    for (i, obs), token_ids, vision in zip(kept_items, split_owned(flat, counts), kept_vision):
         state.env_views[i].append({"role": obs["role"], "content": obs["content"]})
-        state.message_logs[i].append(
-            {"role": obs["role"], "content": obs["content"], "token_ids": token_ids}
-        )
+        message = {"role": obs["role"], "content": obs["content"], "token_ids": token_ids}
+        message.update(vision)
+        state.message_logs[i].append(message)
+        state.vision.add(i, vision)
     count_tensor = torch.tensor(counts, dtype=torch.long)
     state.tokens.append_ragged(rows, flat, count_tensor)
     state.env_tokens.index_add_(0, rows, count_tensor)

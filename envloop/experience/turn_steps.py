@@ -6,12 +6,14 @@ responses split into per-sample pieces), so that any engine can compose them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from envloop.data.chat_templates import ObservationRenderer
+from envloop.data.multimodal_utils import text_tokenizer
 from envloop.data.tokenization import decode_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 
@@ -62,6 +64,7 @@ def split_responses(
     flat_ids, flat_lp = out_ids[mask].long(), logprobs[mask].float()
     count_list = counts.tolist()
     token_lists = _split_list(flat_ids.tolist(), count_list)
+    tokenizer = text_tokenizer(tokenizer)
     eos_id = tokenizer.eos_token_id
     ended = [bool(ids) and ids[-1] == eos_id for ids in token_lists]
     to_decode = [ids[:-1] if e else ids for ids, e in zip(token_lists, ended)]
@@ -98,7 +101,7 @@ def assistant_message(text: str, token_ids: torch.Tensor, logprobs: torch.Tensor
 
 
 def observation_text(
-    observation: dict[str, str], renderer: ObservationRenderer | None, ended_with_eos: bool
+    observation: Mapping[str, Any], renderer: ObservationRenderer | None, ended_with_eos: bool
 ) -> str:
     """What gets tokenized for an observation: raw content, or its chat-template rendering."""
     if renderer is None:

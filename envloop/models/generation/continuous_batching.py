@@ -91,8 +91,10 @@ class ContinuousBatcher:
         budgets: Sequence[int],
         stop_strings: Sequence[list[str] | None],
         greedy: bool,
+        visions: Sequence[dict[str, torch.Tensor] | None] | None = None,
     ) -> list[tuple[DecodeRequest, Future[SampleResult]]]:
         """Queue one request per prompt; each future gets its row's :class:`SampleResult`.
+        ``visions``: each prompt's vision inputs (see :attr:`DecodeRequest.vision`), or None.
 
         A budget of 0 is answered at once with no tokens (``truncated=True``). To stop
         waiting for a request, set its ``abandoned`` (or cancel its future before it runs).
@@ -100,10 +102,12 @@ class ContinuousBatcher:
         jobs = []
         with self._lock:  # seeds drawn in submission order: the same calls, the same seeds
             seeds = [] if greedy else _seeds(self.generator, len(prompts))
+        visions = visions or [None] * len(prompts)
         for k, (prompt, budget, stops) in enumerate(zip(prompts, budgets, stop_strings)):
             stop = StopWatcher(stops, self._token_bytes, self.tokenizer) if stops else None
             rng = None if greedy else random.Random(seeds[k])
-            jobs.append(_Job(DecodeRequest(prompt, budget, greedy, rng, stop), Future()))
+            request = DecodeRequest(prompt, budget, greedy, rng, stop, visions[k])
+            jobs.append(_Job(request, Future()))
         with self._lock:
             self.stats.requests += len(jobs)
             for job in jobs:

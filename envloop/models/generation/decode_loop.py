@@ -70,6 +70,9 @@ class DecodeRequest:
     share its steps."""
     stop: StopWatcher | None = None
     """Watches the row's text for its stop strings; None: EOS and budget only."""
+    vision: dict[str, torch.Tensor] | None = None
+    """The prompt's vision inputs for a vision-language model, packed along dim 0 (e.g.
+    ``pixel_values`` [patches, D], ``image_grid_thw`` [images, 3]); None without images."""
     result: SampleResult = field(default_factory=SampleResult)
     abandoned: bool = False
     """Set (from any thread) when nobody waits for the result any more: the row is dropped
@@ -81,10 +84,14 @@ class DecodeBatch:
 
     def __init__(self, model: Any, settings: DecodeSettings) -> None:
         self.model, self.settings = model, settings
+        self.positions = RowPositions(model)
         self.rows: list[DecodeRequest] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.logits = torch.zeros((0, 0))
+        self.deltas = torch.zeros(0, dtype=torch.long)
+        """[b] per row: its next position minus its token count (non-zero only for rows
+        whose images take fewer rotary positions than tokens, as in Qwen-VL's mrope)."""
         self.joinable = True
         """Whether rows can join while others run: the model's cache holds one full
         key/value tensor per layer (not sliding windows or recurrent states)."""
@@ -101,9 +108,12 @@ class DecodeBatch:
         input_ids, mask = _left_pad([r.prompt for r in requests], self.settings.pad_id)
         input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
         cache = DynamicCache(config=self.model.config)
-        logits = _next_token_logits(self.model, input_ids, mask, cache)
+        vision = _packed_vision(requests, self.model.device)
+        positions, deltas = self.positions.prefill(input_ids, mask, vision)
+        logits = _next_token_logits(self.model, input_ids, mask, cache, positions, vision)
         if not self.rows:
             self.rows, self.cache, self.mask, self.logits = list(requests), cache, mask, logits
+            self.deltas = deltas
             self.joinable = all(type(layer) is DynamicLayer for layer in cache.layers)
             return
         assert self.cache is not None
@@ -115,6 +125,7 @@ class DecodeBatch:
                 _join(old, new, width) for old, new in zip((keys, values), _tensors(joining))
             )
         self.logits = torch.cat([self.logits, logits])
+        self.deltas = torch.cat([self.deltas, deltas])
         self.rows.extend(requests)
 
     @torch.no_grad()
@@ -139,7 +150,10 @@ class DecodeBatch:
             next_tokens = tokens[torch.tensor(keep, device=tokens.device)].unsqueeze(-1)
             self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], dim=1)
             assert self.cache is not None
-            self.logits = _next_token_logits(self.model, next_tokens, self.mask, self.cache)
+            positions = self.positions.decode(self.mask, self.deltas)
+            self.logits = _next_token_logits(
+                self.model, next_tokens, self.mask, self.cache, positions
+            )
         return finished
 
     def _keep(self, keep: list[int]) -> None:
@@ -149,11 +163,13 @@ class DecodeBatch:
         self.rows = [self.rows[k] for k in keep]
         if not self.rows:
             self.cache, self.mask, self.logits = None, self.mask[:0], self.logits[:0]
+            self.deltas = self.deltas[:0]
             return
         assert self.cache is not None
         index = torch.tensor(keep, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
+        self.deltas = self.deltas[index]
         if self.joinable:
             lead = int(self.mask.any(dim=0).int().argmax())
             if lead:
@@ -228,10 +244,15 @@ def _pad_left(tensor: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _next_token_logits(
-    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, cache: DynamicCache
+    model: Any,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    cache: DynamicCache,
+    positions: torch.Tensor,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Logits [b, V] after ``input_ids`` [b, n], the last n columns of ``mask``; fills ``cache``."""
-    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+    """Logits [b, V] after ``input_ids`` [b, n], the last n columns of ``mask``, at
+    ``positions``; fills ``cache``. ``vision``: the rows' vision inputs (prefill only)."""
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
@@ -239,5 +260,65 @@ def _next_token_logits(
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **(vision or {}),
     )
     return out.logits[:, -1, :]
+
+
+def _packed_vision(
+    requests: Sequence[DecodeRequest], device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """The vision inputs of the rows that have them, concatenated in row order (as a
+    vision-language model takes a batch's images), on ``device``; None if no row has any."""
+    with_vision = [r.vision for r in requests if r.vision]
+    if not with_vision:
+        return None
+    keys = with_vision[0].keys()
+    return {k: torch.cat([v[k] for v in with_vision]).to(device) for k in keys}
+
+
+class RowPositions:
+    """Rotary position ids of a decode batch's rows.
+
+    For most models a token's position is the number of real tokens before it (left
+    padding skipped). Qwen2/2.5/3-VL models (those with ``get_rope_index``) give image
+    tokens 3-D (time, height, width) positions that advance by less than one per token, so
+    a row's later tokens sit at ``tokens before it + delta``; the model computes the
+    prefill's positions and each row's delta, and decode steps add the delta.
+    """
+
+    def __init__(self, model: Any) -> None:
+        inner = getattr(model, "model", None)
+        self.rope_index = getattr(inner, "get_rope_index", None)
+        config = model.config
+        self.image_token_id = getattr(config, "image_token_id", None)
+        self.video_token_id = getattr(config, "video_token_id", None)
+
+    def prefill(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, vision: dict[str, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions of a left-padded prefill and each row's delta [b]."""
+        text = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        zeros = torch.zeros(len(input_ids), dtype=torch.long, device=input_ids.device)
+        if self.rope_index is None:
+            return text, zeros
+        token_types = torch.zeros_like(input_ids, dtype=torch.int)
+        if self.image_token_id is not None:
+            token_types[input_ids == self.image_token_id] = 1
+        if self.video_token_id is not None:
+            token_types[input_ids == self.video_token_id] = 2
+        if not bool(token_types.any()):
+            return text.unsqueeze(0).expand(3, -1, -1), zeros
+        positions, deltas = self.rope_index(
+            input_ids,
+            mm_token_type_ids=token_types,
+            image_grid_thw=(vision or {}).get("image_grid_thw"),
+            video_grid_thw=(vision or {}).get("video_grid_thw"),
+            attention_mask=mask,
+        )
+        return positions, deltas.reshape(-1).to(input_ids.device)
+
+    def decode(self, mask: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        """Positions [b, 1] (or [3, b, 1]) of the token each row takes next."""
+        last = mask.sum(dim=-1, keepdim=True) - 1 + deltas.unsqueeze(-1)
+        return last if self.rope_index is None else last.unsqueeze(0).expand(3, -1, -1)

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from envloop.data.multimodal_utils import PackedTensor
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.decode_loop import SampleResult
 from envloop.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
@@ -46,7 +47,8 @@ def check_generation_input(data: Any, vocab_size: int | None) -> None:
 
 
 def generation_columns(data: Any) -> BatchedDataDict[GenerationDatumSpec]:
-    """The input keys of ``GenerationDatumSpec`` present (and not None) in ``data``.
+    """The input keys of ``GenerationDatumSpec`` present (and not None) in ``data``, and
+    its packed vision columns (``PackedTensor`` values, e.g. ``pixel_values``).
 
     Other columns a caller keeps alongside (message logs, task names) are left out.
 
@@ -54,7 +56,9 @@ def generation_columns(data: Any) -> BatchedDataDict[GenerationDatumSpec]:
     ['input_ids']
     """
     keys = ("input_ids", "input_lengths", "stop_strings", "max_new_tokens", "sample_ids")
-    return BatchedDataDict({k: data[k] for k in keys if data.get(k) is not None})
+    columns = {k: data[k] for k in keys if data.get(k) is not None}
+    columns.update((k, v) for k, v in data.items() if isinstance(v, PackedTensor))
+    return BatchedDataDict(columns)
 
 
 def sample_budgets(data: BatchedDataDict[GenerationDatumSpec], cap: int) -> list[int]:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
-from envloop.models.bundled import resolve_model
 from envloop.models.generation.continuous_batching import ContinuousBatcher
 from envloop.models.generation.decode_loop import DecodeRequest, DecodeSettings, SampleResult
 from envloop.models.generation.generation_batches import (
@@ -29,6 +28,15 @@ from envloop.models.generation.generation_batches import (
     sample_budgets,
 )
 from envloop.models.generation.hf_config import HfGenerationConfig
+from envloop.models.generation.hf_models import (
+    eos_token_ids,
+    is_vision_language,
+    load_model,
+    load_tokenizers,
+    pad_token_id,
+    resolve_device,
+)
+from envloop.models.generation.hf_vision import row_visions
 from envloop.models.generation.hf_workers import WorkerPool
 from envloop.models.generation.interfaces import (
     GenerationDatumSpec,
@@ -36,8 +44,6 @@ from envloop.models.generation.interfaces import (
     GenerationOutputSpec,
 )
 from envloop.models.generation.threads import set_cpu_threads
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class HfGeneration(GenerationInterface):
@@ -73,24 +79,24 @@ class HfGeneration(GenerationInterface):
     """
 
     def __init__(self, config: HfGenerationConfig | Mapping[str, Any]) -> None:
-        from transformers import AutoTokenizer
-
         if not isinstance(config, HfGenerationConfig):
             config = HfGenerationConfig.from_mapping(config)
         self.config = config
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer_name))
-        self.pad_id = _pad_token_id(self.tokenizer, config.tokenizer_name)
+        vision_language = is_vision_language(config.model_name)
+        tokenizers = load_tokenizers(config, vision_language)
+        self.tokenizer, self.processor = tokenizers.tokenizer, tokenizers.processor
+        self.pad_id = pad_token_id(self.tokenizer, config.tokenizer_name)
         self.model: Any = None
         self.on_decode_step: Callable[[int], None] | None = None
         self._pool: WorkerPool | None = None
         if config.num_workers > 1:
             self._pool = WorkerPool.start(HfGeneration, config, self._pad_values())
             return
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             set_cpu_threads(config.cpu_threads)
-        self.model = _load_model(config, self.device)
-        self.eos_ids = _eos_token_ids(self.tokenizer, self.model)
+        self.model = load_model(config, self.device, vision_language)
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model)
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         settings = DecodeSettings(
             config.temperature, config.top_k, config.top_p, self.eos_ids, self.pad_id
@@ -177,7 +183,8 @@ class HfGeneration(GenerationInterface):
         prompts = [ids[: int(n)] for ids, n in zip(input_ids, lengths)]
         stops = batch.get("stop_strings") or [None] * len(prompts)
         budgets = sample_budgets(batch, self.config.max_new_tokens)
-        return batch, self._batcher.submit(prompts, budgets, stops, greedy)
+        visions = row_visions(batch, prompts, self.model)
+        return batch, self._batcher.submit(prompts, budgets, stops, greedy, visions)
 
     async def _stream_rows(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
@@ -234,52 +241,3 @@ def _abandon(jobs: list[tuple[DecodeRequest, Future[Any]]]) -> None:
 
 
 _OUTPUT_PAD_VALUES: dict[str, int | float] = {"logprobs": 0.0}
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "HfGenerationConfig.device='cuda' but no CUDA device is visible; "
-            "use device='cpu' or 'auto'."
-        )
-    return torch.device(device)
-
-
-def _load_model(config: HfGenerationConfig, device: torch.device) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        resolve_model(config.model_name), dtype=_DTYPES[config.dtype]
-    )
-    return model.to(device).eval()
-
-
-def _pad_token_id(tokenizer: Any, name: str | None) -> int:
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            f"The tokenizer {name!r} has no pad token, which HfGeneration needs to pad outputs. "
-            "Set one and save the tokenizer (tokenizer.pad_token = '<unused token>'; "
-            "tokenizer.save_pretrained(folder)), then point tokenizer_name at that folder."
-        )
-    return int(tokenizer.pad_token_id)
-
-
-def _eos_token_ids(tokenizer: Any, model: Any) -> frozenset[int]:
-    """Every EOS id named by the tokenizer, the model config and its generation config."""
-    generation_config = getattr(model, "generation_config", None)
-    sources = [
-        tokenizer.eos_token_id,
-        getattr(model.config, "eos_token_id", None),
-        getattr(generation_config, "eos_token_id", None),
-    ]
-    ids: set[int] = set()
-    for source in sources:
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    if not ids:
-        raise ValueError("Neither the tokenizer nor the model config names an EOS token id.")
-    return frozenset(ids)
