@@ -3,8 +3,10 @@
 ``report.html`` holds the run summary (tiles, a per-task table, config highlights and every
 metric), inline-SVG histograms (reward per task, turns, tokens per sample) and a browsable
 list of trajectories (filter by task and outcome, search the text, sort, click to expand
-each turn's role, text and reward). The headline gives each task's mean reward, and a mean
-over all tasks only when their rewards share a scale (:func:`off_scale_tasks`).
+each turn's role, text and reward, with a message's images as thumbnails where its image
+parts stand: :mod:`envloop.report.thumbnails`). The headline gives each task's mean
+reward, and a mean over all tasks only when their rewards share a scale
+(:func:`off_scale_tasks`).
 
 This module gathers what the page shows as plain text and numbers (:func:`report_context`);
 the jinja2 templates of ``envloop/report/assets`` (``report.html.j2``, ``sections.html.j2``,
@@ -14,7 +16,9 @@ folder; a Content-Security-Policy forbids every network request, so the page wor
 and shows the same thing everywhere. The trajectories travel as JSON in a
 ``<script type="application/json">`` block (jinja2's ``tojson``: ``<``, ``>``, ``&`` and
 ``'`` written as ``\\u003c`` escapes) and the page's script renders them with
-``textContent``, so no message text can become markup.
+``textContent``, so no message text can become markup. Thumbnails travel in the same
+block as ``data:`` URIs that this package encoded (the policy allows images from ``data:``
+only), set as an ``<img>``'s ``src``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from envloop.data.multimodal_utils import content_text_parts
 from envloop.report.charts import Histogram, histogram, histogram_bins
 from envloop.report.sections import TaskRow, config_view, fmt, metrics_view
 from envloop.report.templates import render
+from envloop.report.thumbnails import Thumbnails
 from envloop.run.files import load_config, load_metrics, load_rollouts, message_tokens
 from envloop.run.metrics import on_unit_scale
 
@@ -62,7 +68,8 @@ def build_report(run_dir: str | Path) -> Path:
     records = load_rollouts(run_dir)
     config, metrics = _optional(load_config, run_dir), _optional(load_metrics, run_dir)
     path = run_dir / REPORT_FILE
-    path.write_text(render_report(records, config, metrics, run_dir.resolve().name), "utf-8")
+    html = render_report(records, config, metrics, run_dir.resolve().name, run_dir=run_dir)
+    path.write_text(html, "utf-8")
     return path
 
 
@@ -71,9 +78,12 @@ def render_report(
     config: dict[str, Any] | None,
     metrics: dict[str, Any] | None,
     title: str,
+    run_dir: str | Path | None = None,
 ) -> str:
-    """The report page for ``records`` (rollouts.jsonl objects) as one HTML string."""
-    return render(TEMPLATE, **report_context(records, config, metrics, title))
+    """The report page for ``records`` (rollouts.jsonl objects) as one HTML string; the
+    image files their messages name are read from ``run_dir`` (without it, images are
+    shown by name only)."""
+    return render(TEMPLATE, **report_context(records, config, metrics, title, run_dir))
 
 
 def report_context(
@@ -81,6 +91,7 @@ def report_context(
     config: dict[str, Any] | None,
     metrics: dict[str, Any] | None,
     title: str,
+    run_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Every variable the page's template uses, as plain text, numbers and named tuples."""
     tasks = list(dict.fromkeys(r["task"] for r in records))
@@ -89,6 +100,13 @@ def report_context(
     policy = (config or {}).get("policy") or {}
     model = policy.get("model_name") or policy.get("model")  # "model": older run directories
     tiles, tiles_note = _headline(records, by_task, colors, metrics)
+    thumbnails = Thumbnails(run_dir)
+    data: dict[str, Any] = {
+        "colors": colors,
+        "samples": [_trajectory(r, thumbnails) for r in records],
+    }
+    if thumbnails.images:
+        data["images"] = thumbnails.images
     return {
         "title": title,
         "subtitle": f"{_plural(len(records), 'sample')} · {_plural(len(tasks), 'task')}"
@@ -102,7 +120,8 @@ def report_context(
         "charts": _charts(records, by_task, colors),
         "config": config_view(config, colors),
         "metrics": metrics_view(metrics),
-        "data": _finite({"colors": colors, "samples": [_trajectory(r) for r in records]}),
+        "images_note": thumbnails.note(),
+        "data": _finite(data),
     }
 
 
@@ -247,19 +266,37 @@ def _generated_tokens(record: dict[str, Any]) -> int:
     )
 
 
-def _trajectory(record: dict[str, Any]) -> dict[str, Any]:
+def _trajectory(record: dict[str, Any], thumbnails: Thumbnails) -> dict[str, Any]:
     """What the page's script shows of one sample."""
     keys = ["sample", "idx", "generation", "task", "total_reward", "rewards", "num_turns"]
     keys += ["truncated", "terminated", "error", "ground_truth"]
-    messages = [
-        {k: m.get(k) for k in ("role", "content", "num_tokens", "reward")}
-        for m in record.get("messages", [])
-    ]
+    messages = [_message(m, thumbnails) for m in record.get("messages", [])]
     return {
         **{k: record.get(k) for k in keys},
         "tokens": message_tokens(record),
         "messages": messages,
     }
+
+
+def _message(message: dict[str, Any], thumbnails: Thumbnails) -> dict[str, Any]:
+    """A message as the page shows it: ``content`` as text (what search and previews
+    read), and for a content of parts, ``parts``: ``{"text"}`` or an image
+    (:meth:`Thumbnails.part`) each, in order."""
+    view = {k: message.get(k) for k in ("role", "content", "num_tokens", "reward")}
+    content = view["content"]
+    if isinstance(content, list):
+        view["content"] = content_text_parts(content)
+        view["parts"] = [_part(part, thumbnails) for part in content]
+    return view
+
+
+def _part(part: Any, thumbnails: Thumbnails) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image":
+        return thumbnails.part(part.get("image"))
+    if kind == "text":
+        return {"text": str(part.get("text", ""))}
+    return {"text": f"[{kind or type(part).__name__} part]"}
 
 
 def _finite(value: Any) -> Any:

@@ -1,7 +1,9 @@
 """Reading a run directory written by ``envloop run``: its config, rollouts and metrics.
 
 A run directory holds ``config.yaml`` (the resolved config), ``rollouts.jsonl`` (one JSON
-object per sample, in sample order), ``metrics.json`` and, once built, ``report.html``.
+object per sample, in sample order), ``rollouts.parquet``, ``metrics.json``, ``images/``
+(the PNG files that image parts of ``rollouts.jsonl`` name, when messages held images) and,
+once built, ``report.html``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from envloop.data.jsonl import read_json_objects
 CONFIG_FILE = "config.yaml"
 ROLLOUTS_FILE = "rollouts.jsonl"
 METRICS_FILE = "metrics.json"
+IMAGES_DIR = "images"
 
 
 def run_path(run_dir: str | Path, name: str) -> Path:

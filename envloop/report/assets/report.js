@@ -1,10 +1,12 @@
 /* The trajectory browser of envloop's run report: filter, search, sort and expand samples.
-   All run text is inserted with textContent (never innerHTML), so it cannot become markup. */
+   All run text is inserted with textContent (never innerHTML), so it cannot become markup;
+   images are the data: URI thumbnails of data.images, placed where their parts stand. */
 (function () {
   "use strict";
   var PAGE = 100;
   var data = JSON.parse(document.getElementById("run-data").textContent);
   var samples = data.samples;
+  var images = data.images || {};
   var $ = function (id) { return document.getElementById(id); };
   var ui = { task: $("f-task"), outcome: $("f-outcome"), sort: $("f-sort"), search: $("f-search"),
              list: $("traj-list"), count: $("traj-count"), more: $("more"), expand: $("f-expand") };
@@ -70,6 +72,25 @@
     return frag;
   }
 
+  function textBlock(text) {
+    var block = el("pre", "msg-text");
+    block.appendChild(highlighted(String(text)));
+    return block;
+  }
+  // An image part: its thumbnail (a data: URI from the page's own data), else a note naming it.
+  function image(p) {
+    var thumb = images[p.image];
+    if (!thumb) return el("div", "img-missing", "[image " + p.image + ": " + (p.note || "not shown") + "]");
+    var img = document.createElement("img");
+    img.className = "thumb";
+    img.width = thumb.width;
+    img.height = thumb.height;
+    img.alt = thumb.alt;
+    img.title = thumb.title;
+    img.src = thumb.src;
+    return img;
+  }
+
   function body(s) {
     var box = el("div", "traj-body");
     var meta = el("div", "meta");
@@ -97,9 +118,13 @@
         head.appendChild(el("span", "msg-reward " + pillClass(m.reward), "reward " + fmt(m.reward)));
       }
       msg.appendChild(head);
-      var text = el("pre", "msg-text");
-      text.appendChild(highlighted(String(m.content === null || m.content === undefined ? "" : m.content)));
-      msg.appendChild(text);
+      if (m.parts) {
+        var parts = el("div", "msg-parts");
+        m.parts.forEach(function (p) { parts.appendChild(p.image !== undefined ? image(p) : textBlock(p.text)); });
+        msg.appendChild(parts);
+      } else {
+        msg.appendChild(textBlock(m.content === null || m.content === undefined ? "" : m.content));
+      }
       box.appendChild(msg);
     });
     return box;
