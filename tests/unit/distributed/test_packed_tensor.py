@@ -1,0 +1,562 @@
+"""PackedTensor, and BatchedDataDict columns that are PackedTensors (per-sample image data).
+
+The property tests carry a sample id in every column and check, after any sequence of row
+operations, that each row's image data is still its own sample's, and the same tensor and
+PIL objects (no image data copied).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from envloop.distributed.batched_data_dict import BatchedDataDict, BatchSplitError, MissingKeyError
+from envloop.distributed.packed_tensor import PackedTensor, common_dim_to_pack
+
+D = 4  # width of a stand-in patch row (pixel_values are [patches, D])
+
+
+def _patches(sample: int, count: int, image: int = 0) -> torch.Tensor:
+    """[count, D] float32 whose first column is the sample id and second the image index."""
+    out = torch.arange(count * D, dtype=torch.float32).reshape(count, D) / 100
+    out[:, 0] = sample
+    out[:, 1] = image
+    return out
+
+
+def _packed(*items: torch.Tensor | None) -> PackedTensor:
+    return PackedTensor(list(items), dim_to_pack=0)
+
+
+def _same_items(packed, expected: list) -> bool:
+    """``packed`` holds exactly the objects of ``expected`` (tensors or None), in order."""
+    items = list(packed)
+    return len(items) == len(expected) and all(a is b for a, b in zip(items, expected))
+
+
+# --- PackedTensor -------------------------------------------------------------------------
+
+
+def test_the_published_path_is_the_same_class():
+    from envloop.data import multimodal_utils
+
+    assert multimodal_utils.PackedTensor is PackedTensor
+    assert "PackedTensor" in multimodal_utils.__all__
+
+
+def test_as_tensor_concatenates_the_present_items_along_dim_to_pack():
+    a, b = _patches(0, 2), _patches(2, 1)
+    packed = _packed(a, None, b)
+    assert len(packed) == 3
+    assert packed.present == [a, b]
+    assert torch.equal(packed.as_tensor(), torch.cat([a, b]))
+    assert _packed(a).as_tensor() is a
+    assert _packed(None, None).as_tensor() is None
+    grids = PackedTensor([torch.ones(3, 2, 1), torch.zeros(3, 5, 1)], dim_to_pack=1)
+    assert grids.as_tensor().shape == (3, 7, 1)
+
+
+def test_slice_and_repeat_interleave_share_the_item_tensors():
+    a, b, c = _patches(0, 1), _patches(1, 2), _patches(2, 3)
+    packed = _packed(a, b, c)
+    assert _same_items(packed.slice([2, 0, 2]), [c, a, c])
+    assert all(x is y for x, y in zip(packed.slice(torch.tensor([2, 0])), [c, a]))
+    assert packed.slice(slice(1, None)).tensors[0] is b
+    assert packed.slice([-1])[0] is c
+    repeated = packed.repeat_interleave(2)
+    assert [t.data_ptr() for t in repeated] == [t.data_ptr() for t in (a, a, b, b, c, c)]
+    assert all(x is y for x, y in zip(repeated, (a, a, b, b, c, c)))
+
+
+def test_concat_joins_items_and_flattened_concat_makes_one_item_per_entry():
+    a, b, c = _patches(0, 1), _patches(1, 2), _patches(2, 3)
+    joined = PackedTensor.concat([_packed(a), _packed(None, b), _packed()])
+    assert _same_items(joined, [a, None, b])
+    flat = PackedTensor.flattened_concat([_packed(a, b), None, _packed(None), _packed(c)])
+    assert len(flat) == 4
+    assert torch.equal(flat[0], torch.cat([a, b]))
+    assert flat[1] is None and flat[2] is None
+    assert flat[3] is c
+    assert _same_items(PackedTensor.empty_like(_packed(a), 2), [None, None])
+
+
+def test_deepcopy_shares_the_tensors_but_not_the_item_list():
+    a = _patches(0, 2)
+    packed = _packed(a, None)
+    copied = copy.deepcopy({"x": packed, "again": packed})
+    assert copied["x"] is copied["again"]  # the memo keeps one copy per object
+    assert copied["x"] is not packed
+    assert copied["x"][0] is a
+    copied["x"].tensors.append(a)
+    assert len(packed) == 2
+
+
+def test_to_moves_every_item_and_keeps_nones():
+    moved = _packed(_patches(0, 2), None).to("meta")
+    assert moved[0].device.type == "meta" and moved[0].shape == (2, D)
+    assert moved[1] is None
+
+
+def test_pickling_keeps_items_and_dim():
+    a = _patches(3, 2)
+    restored = pickle.loads(pickle.dumps(PackedTensor([None, a], dim_to_pack=1)))
+    assert restored.dim_to_pack == 1
+    assert restored[0] is None and torch.equal(restored[1], a)
+
+
+@pytest.mark.parametrize(
+    ("items", "error", "message"),
+    [
+        ([[1.0, 2.0]], TypeError, "PackedTensor item 0 is a list; items are tensors or None"),
+        ([None, torch.tensor(1.0)], ValueError, r"item 1 has shape \(\), which has no dimension 0"),
+        ("ab", TypeError, "takes a tensor or a list of tensors"),
+    ],
+)
+def test_constructor_rejects_bad_items(items, error, message):
+    with pytest.raises(error, match=message):
+        PackedTensor(items, dim_to_pack=0)
+
+
+def test_a_single_tensor_is_one_item():
+    a = _patches(0, 2)
+    assert _same_items(PackedTensor(a, dim_to_pack=0), [a])
+
+
+def test_values_packed_along_different_dims_raise_naming_the_key():
+    with pytest.raises(ValueError, match="'pixel_values' are packed along different dimensions"):
+        common_dim_to_pack([_packed(), PackedTensor([], dim_to_pack=1)], "pixel_values")
+    with pytest.raises(ValueError, match=r"different dimensions: \[0, 1\]"):
+        PackedTensor.concat([_packed(), PackedTensor([], dim_to_pack=1)])
+
+
+# --- BatchedDataDict with PackedTensor columns --------------------------------------------
+
+
+def _image_batch() -> tuple[BatchedDataDict, list[torch.Tensor | None]]:
+    """Four rows; rows 1 and 3 have images, row 0 and 2 none."""
+    items = [None, _patches(1, 2), None, _patches(3, 1)]
+    batch = BatchedDataDict(
+        {"sid": torch.arange(4), "name": ["s0", "s1", "s2", "s3"], "pixel_values": _packed(*items)}
+    )
+    return batch, items
+
+
+def test_size_counts_items_and_mismatched_sizes_name_the_key():
+    batch, _ = _image_batch()
+    assert batch.size == 4
+    batch["pixel_values"] = _packed(None)
+    with pytest.raises(BatchSplitError, match="'sid' has 4, 'pixel_values' has 1"):
+        _ = batch.size
+
+
+def test_copy_and_get_dict_keep_the_same_packed_tensor():
+    batch, _ = _image_batch()
+    assert batch.copy()["pixel_values"] is batch["pixel_values"]
+    plain = batch.get_dict()
+    assert type(plain) is dict and plain["pixel_values"] is batch["pixel_values"]
+
+
+def test_select_indices_takes_items_by_list_or_tensor():
+    batch, items = _image_batch()
+    for indices in ([3, 1, 3, -4], torch.tensor([3, 1, 3, -4])):
+        out = batch.select_indices(indices)
+        assert out["sid"].tolist() == [3, 1, 3, 0]
+        assert isinstance(out["pixel_values"], PackedTensor)
+        assert out["pixel_values"].tensors[:3] == [items[3], items[1], items[3]]
+        assert out["pixel_values"][0] is items[3] and out["pixel_values"][3] is None
+
+
+def test_slice_takes_the_same_items():
+    batch, items = _image_batch()
+    out = batch.slice(1, 3)
+    assert out["name"] == ["s1", "s2"]
+    assert out["pixel_values"][0] is items[1] and out["pixel_values"][1] is None
+    assert len(batch.slice(3, 10)["pixel_values"]) == 1
+
+
+def test_repeat_interleave_shares_image_data_and_copies_the_rest():
+    image = Image.new("RGB", (5, 3), (9, 8, 7))
+    encoded = b"\x89PNG not really"
+    pixels = _patches(0, 2)
+    log = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}],
+            "token_ids": torch.tensor([1, 2, 3]),
+            "pixel_values": _packed(pixels),
+        },
+        {"role": "user", "content": [{"type": "image", "image": encoded}]},
+    ]
+    batch = BatchedDataDict({"message_log": [log], "pixel_values": _packed(pixels)})
+    out = batch.repeat_interleave(3)
+    assert all(p is pixels for p in out["pixel_values"])
+    first, second = out["message_log"][0], out["message_log"][1]
+    assert first is not second and first is not log
+    for copy_ in (first, second):
+        assert copy_[0]["content"][0]["image"] is image
+        assert copy_[1]["content"][0]["image"] is encoded
+        assert copy_[0]["pixel_values"][0] is pixels
+        assert copy_[0]["pixel_values"] is not log[0]["pixel_values"]
+        assert copy_[0]["token_ids"].data_ptr() != log[0]["token_ids"].data_ptr()
+    first[0]["content"].append({"type": "text", "text": "mine"})
+    first[0]["token_ids"][0] = 99
+    assert len(second[0]["content"]) == 2 and len(log[0]["content"]) == 2
+    assert log[0]["token_ids"].tolist() == [1, 2, 3]
+
+
+def test_shard_by_batch_size_deals_items_with_their_rows():
+    batch, items = _image_batch()
+    shards = batch.shard_by_batch_size(2)
+    assert [s["sid"].tolist() for s in shards] == [[0, 1], [2, 3]]
+    assert _same_items(shards[1]["pixel_values"], [None, items[3]])
+    shards = batch.shard_by_batch_size(2, batch_size=2)
+    assert [s["sid"].tolist() for s in shards] == [[0, 2], [1, 3]]
+    assert shards[1]["pixel_values"][0] is items[1]
+    shards = batch.slice(0, 3).shard_by_batch_size(2, allow_uneven_shards=True)
+    assert _same_items(shards[0]["pixel_values"], [None, items[1]])
+    assert _same_items(shards[1]["pixel_values"], [None])
+
+
+def _length_batch() -> BatchedDataDict:
+    lengths = [5, 1, 4, 2]
+    return BatchedDataDict(
+        {
+            "input_ids": torch.tensor([[i] * 5 for i in range(4)]),
+            "input_lengths": torch.tensor(lengths),
+            "pixel_values": _packed(*[_patches(i, i + 1) for i in range(4)]),
+        }
+    )
+
+
+def test_dynamic_batching_and_packing_move_items_with_their_rows():
+    batch = _length_batch()
+    dynamic = {
+        "max_tokens_per_microbatch": 10,
+        "sequence_length_round": 1,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+    }
+    packing = {
+        "max_tokens_per_microbatch": 6,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "algorithm": "first_fit_decreasing",
+    }
+    for args in ({"dynamic_batching_args": dynamic}, {"sequence_packing_args": packing}):
+        shards, order = batch.shard_by_batch_size(2, **args)
+        rows = [int(r) for s in shards for r in s["input_ids"][:, 0]]
+        assert sorted(rows) == [0, 1, 2, 3]
+        for shard in shards:
+            for row, item in zip(shard["input_ids"][:, 0], shard["pixel_values"]):
+                assert item is batch["pixel_values"][int(row)]
+        if "sequence_packing_args" in args:
+            assert rows == order
+            joined = BatchedDataDict.from_batches(shards)
+            joined.reorder_data(order)
+            assert _same_items(joined["pixel_values"], batch["pixel_values"].tensors)
+            micro = list(shards[0].make_microbatch_iterator_for_packable_sequences())
+            for m in micro:
+                rows = [int(r) for r in m["input_ids"][:, 0]]
+                assert _same_items(m["pixel_values"], [batch["pixel_values"][r] for r in rows])
+        else:
+            micro = list(shards[0].make_microbatch_iterator_with_dynamic_shapes())
+            for m in micro:  # token tensors are cut to the micro-batch length, images are not
+                rows = [int(r) for r in m["input_ids"][:, 0]]
+                assert _same_items(m["pixel_values"], [batch["pixel_values"][r] for r in rows])
+
+
+def test_microbatch_iteration_chunk_and_get_batch_slice_items():
+    batch, items = _image_batch()
+    micro = list(batch.make_microbatch_iterator(2))
+    assert len(micro) == 2
+    assert _same_items(micro[0]["pixel_values"], [None, items[1]])
+    assert _same_items(micro[1]["pixel_values"], [None, items[3]])
+    assert _same_items(batch.chunk(rank=1, chunks=2)["pixel_values"], [None, items[3]])
+    assert batch.get_batch(1, batch_size=2)["pixel_values"][1] is items[3]
+    batch.truncate_tensors(dim=0, truncated_len=1)  # only tensors with more than one dim
+    assert _same_items(batch["pixel_values"], items)
+
+
+def test_from_batches_concatenates_packed_items():
+    batch, items = _image_batch()
+    empty = BatchedDataDict({"sid": torch.zeros(0, dtype=torch.long)})  # may lack keys
+    out = BatchedDataDict.from_batches([batch.slice(2, 4), empty, batch.slice(0, 2)])
+    assert out["sid"].tolist() == [2, 3, 0, 1]
+    assert _same_items(out["pixel_values"], [None, items[3], None, items[1]])
+    assert out["pixel_values"][1] is items[3]
+
+
+def test_from_batches_of_empty_packed_batches_keeps_a_packed_column():
+    out = BatchedDataDict.from_batches([{"p": _packed()}, {"p": _packed()}])
+    assert isinstance(out["p"], PackedTensor) and len(out["p"]) == 0
+
+
+def test_from_batches_rejects_a_packed_key_of_another_type_naming_it():
+    batch, _ = _image_batch()
+    other = batch.slice(0, 2)
+    other["pixel_values"] = [None, None]
+    with pytest.raises(TypeError) as raised:
+        BatchedDataDict.from_batches([batch, other])
+    assert str(raised.value) == (
+        "from_batches: column 'pixel_values' is a PackedTensor in some batches and a list in "
+        "batches [1]. Give it as a PackedTensor in every batch; a batch whose samples lack "
+        "this input holds PackedTensor([None] * rows, dim_to_pack)."
+    )
+
+
+def test_from_batches_rejects_a_missing_packed_key_naming_it():
+    batch, _ = _image_batch()
+    other = batch.slice(0, 2)
+    del other["pixel_values"]
+    with pytest.raises(MissingKeyError) as raised:
+        BatchedDataDict.from_batches([batch, other])
+    assert str(raised.value) == (
+        "from_batches: key 'pixel_values' is missing from non-empty batches [1]. Every "
+        "non-empty batch needs every key (only empty batches may omit keys); add "
+        "'pixel_values' to those batches or drop it from the others. 'pixel_values' is a "
+        "PackedTensor: a batch whose samples lack it holds PackedTensor([None] * rows, "
+        "dim_to_pack)."
+    )
+
+
+def test_from_batches_rejects_packed_values_along_different_dims_naming_the_key():
+    a = {"p": _packed(_patches(0, 1))}
+    b = {"p": PackedTensor([torch.ones(1, 1)], dim_to_pack=1)}
+    with pytest.raises(ValueError, match=r"for key 'p' are packed along different dimensions"):
+        BatchedDataDict.from_batches([a, b])
+
+
+def test_to_moves_packed_items():
+    batch, _ = _image_batch()
+    moved = batch.to("meta")
+    assert moved is batch
+    assert moved["pixel_values"][1].device.type == "meta"
+    assert moved["pixel_values"][0] is None
+
+
+def test_repr_summarizes_packed_columns():
+    batch, _ = _image_batch()
+    assert repr(batch) == (
+        "BatchedDataDict(\n"
+        "  sid: Tensor[4] int64,\n"
+        "  name: list[4],\n"
+        "  pixel_values: PackedTensor[4, 2 present] float32,\n"
+        ")"
+    )
+    assert "PackedTensor[1, 0 present]," in repr(BatchedDataDict({"p": _packed(None)}))
+
+
+def test_a_batched_data_dict_with_packed_columns_pickles():
+    batch, items = _image_batch()
+    restored = pickle.loads(pickle.dumps(batch))
+    assert restored["pixel_values"][0] is None
+    assert torch.equal(restored["pixel_values"][1], items[1])
+
+
+# --- properties: image data stays with its sample -----------------------------------------
+
+
+@dataclass
+class Sample:
+    """What a row of sample ``sid`` must hold, as the objects it was built from."""
+
+    sid: int
+    pixels: torch.Tensor | None  # [patches, D], the sample's images concatenated
+    per_image: list[torch.Tensor]  # the user message's pixel_values items, one per image
+    grid: torch.Tensor | None  # [images, 3]
+    images: list[Image.Image]
+    length: int
+
+
+def _build(patch_counts: list[list[int]], lengths: list[int]) -> tuple[BatchedDataDict, dict]:
+    """A batch with one row per sample: ids, tokens, image columns and a message log."""
+    samples, logs = {}, []
+    for sid, (counts, length) in enumerate(zip(patch_counts, lengths)):
+        per_image = [_patches(sid, n, k) for k, n in enumerate(counts)]
+        pixels = torch.cat(per_image) if per_image else None
+        grid = torch.tensor([[1, n, sid] for n in counts]) if counts else None
+        images = [Image.new("RGB", (1 + k, 1), (sid, k, 0)) for k in range(len(counts))]
+        samples[sid] = Sample(sid, pixels, per_image, grid, images, length)
+        user = {
+            "role": "user",
+            "content": [{"type": "image", "image": im} for im in images]
+            + [{"type": "text", "text": f"sample {sid}"}],
+            "token_ids": torch.full((length,), sid),
+        }
+        if counts:
+            user["pixel_values"] = _packed(*per_image)
+            user["image_grid_thw"] = _packed(grid)
+        logs.append([user, {"role": "assistant", "content": str(sid)}])
+    width = max(lengths)
+    batch = BatchedDataDict(
+        {
+            "sample_id": list(samples),
+            "sid": torch.arange(len(samples)),
+            "input_ids": torch.tensor(
+                [[sid] * n + [-1] * (width - n) for sid, n in enumerate(lengths)]
+            ),
+            "input_lengths": torch.tensor(lengths),
+            "pixel_values": _packed(*[s.pixels for s in samples.values()]),
+            "image_grid_thw": _packed(*[s.grid for s in samples.values()]),
+            "message_log": logs,
+        }
+    )
+    return batch, samples
+
+
+def _assert_aligned(batch: BatchedDataDict, samples: dict[int, Sample]) -> None:
+    """Every row holds its own sample's data, image data as the very same objects."""
+    assert batch.size == len(batch["sample_id"])
+    for i, sid in enumerate(batch["sample_id"]):
+        want = samples[sid]
+        assert int(batch["sid"][i]) == sid
+        assert int(batch["input_lengths"][i]) == want.length
+        assert batch["input_ids"][i, : want.length].tolist() == [sid] * want.length
+        assert batch["pixel_values"][i] is want.pixels
+        assert batch["image_grid_thw"][i] is want.grid
+        if want.pixels is not None:
+            assert bool((batch["pixel_values"][i][:, 0] == sid).all())
+        user = batch["message_log"][i][0]
+        images = [p["image"] for p in user["content"] if p["type"] == "image"]
+        assert len(images) == len(want.images)
+        assert all(got is image for got, image in zip(images, want.images))
+        assert user["content"][-1]["text"] == f"sample {sid}"
+        if want.pixels is None:
+            assert "pixel_values" not in user
+        else:
+            assert len(user["pixel_values"]) == len(want.per_image)
+            assert all(got is t for got, t in zip(user["pixel_values"], want.per_image))
+            assert torch.equal(user["pixel_values"].as_tensor(), want.pixels)
+            assert user["image_grid_thw"][0] is want.grid
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shard(data, batch: BatchedDataDict) -> tuple[list[BatchedDataDict], str, list[int] | None]:
+    """Shards of ``batch`` in a drawn mode (plain, dynamic batching or packing)."""
+    size = batch.size
+    shards = data.draw(st.sampled_from(_divisors(size)), label="shards")
+    chunk = data.draw(
+        st.sampled_from([None, *[c for c in _divisors(size) if c % shards == 0]]),
+        label="batch_size",
+    )
+    mode = data.draw(st.sampled_from(["plain", "dynamic", "packing"]), label="mode")
+    width = batch["input_ids"].shape[1]
+    if mode == "plain":
+        return batch.shard_by_batch_size(shards, chunk), mode, None
+    if mode == "dynamic":
+        args = {
+            "max_tokens_per_microbatch": width * size,
+            "sequence_length_round": data.draw(st.integers(1, 3), label="round"),
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+        parts, order = batch.shard_by_batch_size(shards, chunk, dynamic_batching_args=args)
+        return parts, mode, order
+    algorithm = data.draw(
+        st.sampled_from(["concatenative", "first_fit_decreasing", "modified_first_fit_decreasing"]),
+        label="algorithm",
+    )
+    args = {
+        "max_tokens_per_microbatch": width,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "algorithm": algorithm,
+    }
+    parts, order = batch.shard_by_batch_size(shards, chunk, sequence_packing_args=args)
+    return parts, mode, order
+
+
+def _apply(data, op: str, batch: BatchedDataDict) -> BatchedDataDict:
+    size = batch.size
+    if op == "select":
+        row = st.integers(-size, size - 1)
+        rows = data.draw(st.lists(row, max_size=8) if size else st.just([]), label="rows")
+        as_tensor = data.draw(st.booleans(), label="as_tensor")
+        return batch.select_indices(torch.tensor(rows, dtype=torch.long) if as_tensor else rows)
+    if op == "slice":
+        start = data.draw(st.integers(0, size), label="start")
+        return batch.slice(start, data.draw(st.integers(start, size + 1), label="end"))
+    if op == "repeat":
+        n = data.draw(st.integers(1, 3), label="repeats")
+        out = batch.repeat_interleave(n)
+        for i in range(out.size):  # every repeat has its own log, sharing the image data
+            source = batch["message_log"][i // n][0]
+            mine = out["message_log"][i][0]
+            assert mine is not source and mine["content"] is not source["content"]
+            assert mine["token_ids"].data_ptr() != source["token_ids"].data_ptr()
+            if "pixel_values" in source:
+                assert mine["pixel_values"][0].data_ptr() == source["pixel_values"][0].data_ptr()
+            assert out["pixel_values"][i] is batch["pixel_values"][i // n]
+        return out
+    if op == "split_join":
+        cut = data.draw(st.integers(0, size), label="cut")
+        return BatchedDataDict.from_batches([batch.slice(cut, size), batch.slice(0, cut)])
+    if op == "to":
+        return batch.to("cpu")
+    if size == 0:
+        return batch
+    parts, mode, order = _shard(data, batch)
+    if op == "shard_one":
+        return parts[data.draw(st.integers(0, len(parts) - 1), label="shard")]
+    joined = BatchedDataDict.from_batches(parts)
+    if mode == "packing":  # packing's sorted_indices undo the shard order
+        restored = joined.copy()
+        restored.reorder_data(order)
+        assert restored["sample_id"] == batch["sample_id"]
+    return joined
+
+
+OPS = ["select", "slice", "repeat", "split_join", "to", "shard_one", "shard_join"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    patch_counts=st.lists(st.lists(st.integers(1, 5), max_size=3), min_size=1, max_size=6),
+    ops=st.lists(st.sampled_from(OPS), max_size=4),
+    data=st.data(),
+)
+def test_image_data_stays_with_its_sample_through_any_row_operations(patch_counts, ops, data):
+    lengths = data.draw(
+        st.lists(st.integers(1, 6), min_size=len(patch_counts), max_size=len(patch_counts)),
+        label="lengths",
+    )
+    batch, samples = _build(patch_counts, lengths)
+    _assert_aligned(batch, samples)
+    for op in ops:
+        if batch.size > 12:
+            batch = batch.slice(0, 12)
+        batch = _apply(data, op, batch)
+        _assert_aligned(batch, samples)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    patch_counts=st.lists(st.lists(st.integers(1, 5), max_size=3), min_size=1, max_size=5),
+    repeats=st.integers(1, 4),
+)
+def test_repeat_interleave_never_copies_image_data(patch_counts, repeats):
+    batch, samples = _build(patch_counts, [2] * len(patch_counts))
+
+    def storage(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    out = batch.repeat_interleave(repeats)
+    assert out["sample_id"] == [sid for sid in samples for _ in range(repeats)]
+    for i, sid in enumerate(out["sample_id"]):
+        want, pixels, message = samples[sid], out["pixel_values"][i], out["message_log"][i][0]
+        if want.pixels is None:
+            assert pixels is None and "pixel_values" not in message
+            continue
+        assert storage(pixels) == storage(want.pixels)
+        assert [storage(t) for t in message["pixel_values"]] == list(map(storage, want.per_image))
+    _assert_aligned(out, samples)
