@@ -29,6 +29,10 @@ class ColumnsConfig(Config, title="data columns"):
     """A per-row system prompt; None: ``data.system_prompt``."""
     metadata: NonEmptyStr | None = None
     """A dict merged into the sample's ``extra_env_info``."""
+    images: NonEmptyStr | None = None
+    """Images put before the text of the first user message: one or a list of file paths
+    (relative to the data file's folder), encoded bytes or ``datasets`` Image values; ``[]``:
+    none for that row. Needs a vision-language policy. None: a text-only dataset."""
 
 
 class DataConfig(Config, title="data"):

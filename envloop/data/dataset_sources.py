@@ -1,5 +1,8 @@
 """Reading dataset rows from JSONL, Parquet, a saved Hugging Face dataset, or the hub.
 
+Relative paths in a row (``data.columns.images``) are relative to the data file's folder (a
+saved dataset's own folder; the current directory for a hub dataset).
+
 >>> import json, tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "d.jsonl"
 >>> _ = path.write_text('{"prompt": "1+1?", "ground_truth": "2"}\\n\\n{"prompt": "2+2?"}\\n')
@@ -28,6 +31,7 @@ class Source:
     rows: list[dict[str, Any]]
     name: str  # the file or dataset name, for messages
     line_numbers: list[int] | None = None  # JSONL: the file line of each row
+    folder: Path | None = None  # what relative paths in rows are relative to (None: cwd)
 
     @property
     def columns(self) -> list[str]:
@@ -50,11 +54,11 @@ def read_source(path: str, fmt: str = "auto", split: str = "train") -> Source:
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        return Source(pq.read_table(path).to_pylist(), Path(path).name)
+        return Source(pq.read_table(path).to_pylist(), Path(path).name, folder=Path(path).parent)
     if fmt == "hf_disk":
         from datasets import load_from_disk
 
-        return _from_hf(load_from_disk(path), path, split)
+        return _from_hf(load_from_disk(path), path, split, Path(path))
     if fmt == "hf_hub":
         from datasets import load_dataset
 
@@ -84,11 +88,13 @@ def _read_jsonl(path: Path) -> Source:
         numbered = read_json_objects(path)
     except ValueError as exc:
         raise ConfigError("data", [f"data.path: {exc}"]) from exc
-    return Source([row for _, row in numbered], path.name, [number for number, _ in numbered])
+    rows, numbers = [row for _, row in numbered], [number for number, _ in numbered]
+    return Source(rows, path.name, numbers, path.parent)
 
 
-def _from_hf(dataset: Any, name: str, split: str) -> Source:
-    """Rows of a ``Dataset``, or of split ``split`` of a ``DatasetDict``."""
+def _from_hf(dataset: Any, name: str, split: str, folder: Path | None = None) -> Source:
+    """Rows of a ``Dataset``, or of split ``split`` of a ``DatasetDict`` (an Image feature's
+    values as its stored ``{"bytes", "path"}`` dicts)."""
     if isinstance(dataset, dict):  # a DatasetDict
         if split not in dataset:
             raise ConfigError(
@@ -96,4 +102,4 @@ def _from_hf(dataset: Any, name: str, split: str) -> Source:
                 [f"data.split: {name} has no split {split!r} (splits: {', '.join(dataset)})"],
             )
         dataset = dataset[split]
-    return Source(dataset.to_list(), name)
+    return Source(dataset.to_list(), name, folder=folder)

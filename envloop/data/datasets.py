@@ -3,8 +3,11 @@
 Each row gives a prompt (a string, formatted with ``data.prompt_template``, or a list of
 ``{role, content}`` messages), an optional system prompt, its task, its ground truth and
 optional metadata; ``extra_env_info`` is the metadata (null entries dropped, as columnar
-formats fill absent struct fields with null) plus ``ground_truth``. Every problem of every
-row is reported at once, each naming the row (and JSONL line) and the config key.
+formats fill absent struct fields with null) plus ``ground_truth``. With
+``data.columns.images``, the row's images (:mod:`envloop.data.dataset_images`) come first in
+the first user message, whose content becomes ``[{"type": "image", "image": <PIL image>},
+..., {"type": "text", "text": ...}]``. Every problem of every row is reported at once, each
+naming the row (and JSONL line) and the config key; no row is dropped silently.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 from envloop.config.errors import ConfigError
 from envloop.data.dataset_config import DataConfig
+from envloop.data.dataset_images import row_images
 from envloop.data.dataset_sources import Source, read_source
 
 if TYPE_CHECKING:
+    from envloop.data.interfaces import LLMMessageLogType
     from envloop.distributed.batched_data_dict import BatchedDataDict
 
 MAX_ROW_PROBLEMS = 10
+"""Problems shown in full; the rows of the others are named on one line."""
+MAX_NAMED_ROWS = 50
 
 
 @dataclass(frozen=True)
@@ -35,7 +42,7 @@ class PromptSample:
 
     idx: int  # the row's index in the dataset
     task: str
-    messages: list[dict[str, str]]  # role/content messages as the policy sees them
+    messages: list[dict[str, Any]]  # role/content messages as the policy sees them
     ground_truth: str | None
     extra_env_info: dict[str, Any]
 
@@ -54,11 +61,13 @@ def load_prompt_samples(data: DataConfig, tasks: Mapping[str, bool]) -> list[Pro
     if data.shuffle:
         random.Random(data.seed).shuffle(indices)
     problems: list[str] = []
-    samples = [_sample(source, i, data, tasks, problems) for i in indices[: data.limit]]
+    samples, problem_rows = [], []  # the row of each problem
+    for i in indices[: data.limit]:
+        before = len(problems)
+        samples.append(_sample(source, i, data, tasks, problems))
+        problem_rows += [i] * (len(problems) - before)
     if problems:
-        extra = len(problems) - MAX_ROW_PROBLEMS
-        shown = problems[:MAX_ROW_PROBLEMS] + ([f"... and {extra} more"] if extra > 0 else [])
-        raise ConfigError(f"dataset {source.name}", shown)
+        raise ConfigError(f"dataset {source.name}", _shown_problems(problems, problem_rows))
     return [s for s in samples if s is not None]
 
 
@@ -72,28 +81,55 @@ def prompt_token_ids(samples: Sequence[PromptSample], tokenizer: Any) -> list[li
     ]
 
 
+def prompt_message_logs(
+    samples: Sequence[PromptSample],
+    tokenizer: Any,
+    token_ids: Sequence[list[list[int]]] | None = None,
+) -> list[LLMMessageLogType]:
+    """Each sample's prompt as a tokenized message log, chat-templated with the generation
+    prompt: its messages with their ``token_ids`` (int64 [tokens]). With a multimodal
+    processor as ``tokenizer``, ``get_formatted_message_log`` tokenizes them: image
+    placeholders expanded, and a message with images carries its vision inputs (e.g.
+    ``pixel_values`` and ``image_grid_thw``, each a one-item ``PackedTensor``). ``token_ids``:
+    the prompts' :func:`prompt_token_ids` when already computed (text only). Imports torch."""
+    import torch
+
+    from envloop.data.llm_message_utils import get_formatted_message_log
+    from envloop.data.multimodal_utils import is_processor
+
+    if is_processor(tokenizer):
+        return [
+            get_formatted_message_log(s.messages, tokenizer, add_generation_prompt=True)
+            for s in samples
+        ]
+    token_ids = token_ids if token_ids is not None else prompt_token_ids(samples, tokenizer)
+    return [
+        [{**m, "token_ids": torch.tensor(ids, dtype=torch.long)} for m, ids in zip(s.messages, t)]
+        for s, t in zip(samples, token_ids)
+    ]
+
+
 def build_rollout_batch(
     samples: Sequence[PromptSample],
     tokenizer: Any,
     generations_per_prompt: int = 1,
     stop_strings: Mapping[str, list[str] | None] | None = None,
     token_ids: Sequence[list[list[int]]] | None = None,
+    message_logs: Sequence[LLMMessageLogType] | None = None,
 ) -> BatchedDataDict[Any]:
     """The rollout input: ``DatumSpec`` columns plus ``prompt_messages`` (the original
     messages), ``ground_truth``, ``initial_extra_env_info`` (a copy the rollout leaves
     alone, for re-scoring) and ``generation`` (0 .. n-1 within each prompt's group),
-    each prompt repeated ``generations_per_prompt`` times in a row. ``stop_strings`` gives
-    each task's first-turn stop strings; ``token_ids``, the prompts'
-    :func:`prompt_token_ids` when already computed. (Imports torch: reading rows does not.)"""
-    import torch
-
+    each prompt repeated ``generations_per_prompt`` times in a row (deep copies that share
+    the prompt's images and vision tensors). ``stop_strings`` gives each task's first-turn
+    stop strings; ``token_ids`` or ``message_logs``, the prompts' :func:`prompt_token_ids`
+    or :func:`prompt_message_logs` when already computed. (Imports torch: reading rows
+    does not.)"""
     from envloop.distributed.batched_data_dict import BatchedDataDict
 
-    token_ids = token_ids if token_ids is not None else prompt_token_ids(samples, tokenizer)
-    logs = [
-        [{**m, "token_ids": torch.tensor(ids, dtype=torch.long)} for m, ids in zip(s.messages, t)]
-        for s, t in zip(samples, token_ids)
-    ]
+    if message_logs is None:
+        message_logs = prompt_message_logs(samples, tokenizer, token_ids)
+    logs = list(message_logs)
     stops = stop_strings or {}
     batch: BatchedDataDict[Any] = BatchedDataDict(
         message_log=logs,
@@ -107,7 +143,7 @@ def build_rollout_batch(
         prompt_messages=[s.messages for s in samples],
         ground_truth=[s.ground_truth for s in samples],
     )
-    batch = batch.repeat_interleave(generations_per_prompt)
+    batch = batch.repeat_interleave(generations_per_prompt)  # sharing the image data
     batch["generation"] = list(range(generations_per_prompt)) * len(samples)
     return batch
 
@@ -128,6 +164,7 @@ def _column_problems(data: DataConfig, columns: list[str], tasks: Mapping[str, b
         check("task", cols.task, f"; with several tasks ({', '.join(tasks)}) rows name theirs")
     check("system_prompt", cols.system_prompt)
     check("metadata", cols.metadata)
+    check("images", cols.images)
     try:
         fields = [
             f for _, f, _, _ in string.Formatter().parse(data.prompt_template) if f is not None
@@ -158,6 +195,11 @@ def _sample(
         )
     metadata = _metadata(row, cols.metadata, where, problems)
     messages = _messages(prompt, row, data, where, problems) if prompt else []
+    if cols.images is not None:
+        images, image_problems = row_images(row.get(cols.images), cols.images, source.folder, where)
+        problems += image_problems
+        if messages and not image_problems:
+            messages = _with_images(messages, images, cols.images, where, problems)
     if len(problems) > before or task is None:
         return None
     truth_text = None if truth is None else truth if isinstance(truth, str) else _text(truth)
@@ -208,6 +250,38 @@ def _messages(
     if system and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": str(system)})
     return messages
+
+
+def _with_images(
+    messages: list[dict[str, Any]], images: list[Any], column: str, where: str, problems: list[str]
+) -> list[dict[str, Any]]:
+    """``messages`` with ``images`` before the text of the first user message."""
+    if not images:
+        return messages
+    first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+    if first_user is None:
+        problems.append(
+            f"{where}: the prompt has no user message to hold the images of column {column!r} "
+            "(data.columns.images); add one"
+        )
+        return messages
+    text = messages[first_user]["content"]
+    parts = [{"type": "image", "image": image} for image in images]
+    out = list(messages)
+    out[first_user] = {**out[first_user], "content": [*parts, {"type": "text", "text": text}]}
+    return out
+
+
+def _shown_problems(problems: list[str], rows: list[int]) -> list[str]:
+    """The first :data:`MAX_ROW_PROBLEMS` problems, then one line naming the rows of the
+    rest."""
+    if len(problems) <= MAX_ROW_PROBLEMS:
+        return problems
+    rest = list(dict.fromkeys(rows[MAX_ROW_PROBLEMS:]))
+    named = ", ".join(map(str, rest[:MAX_NAMED_ROWS]))
+    named += ", ..." if len(rest) > MAX_NAMED_ROWS else ""
+    extra = len(problems) - MAX_ROW_PROBLEMS
+    return [*problems[:MAX_ROW_PROBLEMS], f"... and {extra} more, in rows {named}"]
 
 
 def _metadata(row: dict, column: str | None, where: str, problems: list[str]) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def test_minimal_config_gets_every_default(config_file):
     }  # fmt: skip
     assert resolved["data"]["columns"] == {
         "prompt": "prompt", "ground_truth": "ground_truth", "task": "task",
-        "system_prompt": None, "metadata": None,
+        "system_prompt": None, "metadata": None, "images": None,
     }  # fmt: skip
     assert resolved["envs"] == {
         "math": {"name": "math", "config": None, "num_cpus": None, "stop_strings": None,
