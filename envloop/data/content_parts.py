@@ -22,3 +22,25 @@ def content_text_parts(content: Any) -> str:
             if isinstance(part, Mapping) and part.get("type") == "text"
         )
     return "" if content is None else str(content)
+
+
+def is_message_content(content: Any) -> bool:
+    """Whether ``content`` is a message content: a string, or a list of parts each
+    ``{"type": "text", "text": str}`` or ``{"type": "image", "image": ...}``.
+
+    >>> is_message_content("hi"), is_message_content([{"type": "image", "image": b"..."}])
+    (True, True)
+    >>> is_message_content([{"type": "text"}]), is_message_content(3)
+    (False, False)
+    """
+    if isinstance(content, str):
+        return True
+    return isinstance(content, list) and all(_is_part(part) for part in content)
+
+
+def _is_part(part: Any) -> bool:
+    if not isinstance(part, Mapping):
+        return False
+    if part.get("type") == "text":
+        return isinstance(part.get("text"), str)
+    return part.get("type") == "image" and part.get("image") is not None

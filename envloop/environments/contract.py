@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from envloop.data.content_parts import is_message_content
 from envloop.environments.interfaces import EnvironmentReturn
 
 
@@ -60,8 +61,11 @@ def _list_problems(name: str, value: Any, n: int) -> list[str]:
 def _observation_problems(observations: list[Any]) -> list[str]:
     for i, obs in enumerate(observations):
         ok = isinstance(obs, dict) and isinstance(obs.get("role"), str)
-        if not ok or not isinstance(obs.get("content"), str):
-            return [f"observations[{i}]: expected {{'role': str, 'content': str}}, got {obs!r:.80}"]
+        if not ok or not is_message_content(obs.get("content")):
+            return [
+                f"observations[{i}]: expected {{'role': str, 'content': str or a list of "
+                f"text/image parts}}, got {obs!r:.80}"
+            ]
     return []
 
 

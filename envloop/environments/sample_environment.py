@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import torch
 
+from envloop.data.content_parts import is_message_content
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import (
@@ -349,9 +350,9 @@ def _step_problems(step: SampleStep) -> list[str]:
     if not isinstance(obs, str) and not (
         isinstance(obs, Mapping)
         and isinstance(obs.get("role"), str)
-        and isinstance(obs.get("content"), str)
+        and is_message_content(obs.get("content"))
     ):
-        expected = "a str or {'role': str, 'content': str}"
+        expected = "a str or {'role': str, 'content': str or a list of text/image parts}"
         problems.append(f"observation must be {expected}, got {obs!r:.80}")
     if (step.reward is None) == (step.reward_components is None):
         problems.append("give exactly one of reward and reward_components")

@@ -45,7 +45,8 @@ def test_every_violation_is_listed():
         check_env(EverythingWrong(), LOGS, METADATA)
     assert info.value.problems == [
         "metadata: expected 2 entries (one per sample), got 1",
-        "observations[0]: expected {'role': str, 'content': str}, got {'content': 1}",
+        "observations[0]: expected {'role': str, 'content': str or a list of text/image "
+        "parts}, got {'content': 1}",
         "next_stop_strings[0]: expected None or a list of non-empty str, got '</a>'",
         "rewards: dict key 'format' must look like 'reward/<name>'",
         "rewards['reward/x']: expected shape [2], got [3]",

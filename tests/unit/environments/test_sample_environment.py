@@ -297,8 +297,8 @@ def test_sample_step_reports_every_problem_at_once():
     with pytest.raises(ValueError) as info:
         SampleStep({"role": "user"}, terminated="yes", next_stop_strings=[""], answer=3)
     assert str(info.value) == (
-        "invalid SampleStep: observation must be a str or {'role': str, 'content': str}, got "
-        "{'role': 'user'}; give exactly one of reward and reward_components; terminated must "
+        "invalid SampleStep: observation must be a str or {'role': str, 'content': str or a "
+        "list of text/image parts}, got {'role': 'user'}; give exactly one of reward and reward_components; terminated must "
         "be a bool, got str ('yes'); use bool(...); next_stop_strings must be None or a list "
         "of non-empty str, got ['']; answer must be a str or None, got int"
     )

@@ -1,0 +1,187 @@
+"""Vision-language rollouts end to end: a tiny Qwen2.5-VL through HfGeneration, images in
+prompts and in observations of a Ray-actor environment, both engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from envloop.data.llm_message_utils import get_formatted_message_log
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.environments.registry import create_env, register_env
+from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
+from envloop.models.generation.hf_generation import HfGeneration
+from envloop.models.tiny_vlm import save_tiny_vlm
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+register_env("test_picture_board", "tests.fixtures.vlm_envs:PictureBoardEnv", overwrite=True)
+
+TEMPERATURE = 1.3
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return save_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm"))
+
+
+@pytest.fixture(scope="module")
+def policy(vlm_dir):
+    return HfGeneration(
+        {
+            "model_name": str(vlm_dir),
+            "max_new_tokens": 6,
+            "temperature": TEMPERATURE,
+            "seed": 3,
+            "micro_batch_size": 2,  # the third sample joins a running batch
+        }
+    )
+
+
+def noise_image(seed: int, height: int, width: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def picture_batch(processor, metadata: list[dict]) -> BatchedDataDict:
+    prompts = [
+        [{"type": "image", "image": noise_image(0, 60, 90)}, {"type": "text", "text": "Look."}],
+        "No picture here.",
+        [
+            {"type": "text", "text": "Two:"},
+            {"type": "image", "image": noise_image(1, 28, 56)},
+            {"type": "image", "image": noise_image(2, 70, 40)},
+        ],
+    ]
+    logs = [
+        get_formatted_message_log(
+            [{"role": "user", "content": content}], processor, add_generation_prompt=True
+        )
+        for content in prompts
+    ]
+    return BatchedDataDict(
+        message_log=logs,
+        length=[sum(len(m["token_ids"]) for m in log) for log in logs],
+        extra_env_info=metadata,
+        loss_multiplier=[1.0] * len(logs),
+        idx=list(range(len(logs))),
+        task_name=["board"] * len(logs),
+    )
+
+
+def board_metadata(extra: dict[int, dict] | None = None) -> list[dict]:
+    extra = extra or {}
+    return [{"turns": 3, "size": 28 * (i + 1), **extra.get(i, {})} for i in range(3)]
+
+
+def teacher_forced_logprobs(model, log: list[dict]) -> torch.Tensor:
+    """Log-probabilities of every token after the first, the whole conversation with all
+    its images in one forward pass (the model computes its own positions)."""
+    ids = torch.cat([m["token_ids"] for m in log])[None]
+    vision = {}
+    for key in ("pixel_values", "image_grid_thw"):
+        parts = [m[key].as_tensor() for m in log if key in m]
+        if parts:
+            vision[key] = torch.cat(parts)
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids,
+            mm_token_type_ids=(ids == model.config.image_token_id).int(),
+            **vision,
+        ).logits[0]
+    reference = torch.log_softmax(logits[:-1].float() / TEMPERATURE, dim=-1)
+    return reference.gather(-1, ids[0, 1:, None]).squeeze(-1)
+
+
+def test_multi_turn_rollout_with_images_is_token_exact(ray_session, policy, vlm_dir):
+    processor = policy.processor
+    batch = picture_batch(processor, board_metadata())
+    env = create_env("test_picture_board", num_cpus=0)
+    final, metrics = run_multi_turn_rollout(
+        policy, batch, processor, {"board": env}, max_seq_len=400, max_rollout_turns=3,
+        observation_format="chat_template",
+    )  # fmt: skip
+    assert final["num_turns"].tolist() == [3, 3, 3]
+    assert final["total_reward"].tolist() == [3.0, 3.0, 3.0]
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir, dtype=torch.float32).eval()
+    merge = model.config.vision_config.spatial_merge_size
+    for i, log in enumerate(final["message_log"]):
+        assert [m["role"] for m in log] == ["user", "assistant"] * 3 + ["user"]
+        # Every observation's picture went to the policy: its own size, its placeholders.
+        for turn, message in enumerate(log[2::2], start=1):
+            assert message["content"][1]["text"] == f"Turn {turn}: what now?"
+            grid = message["image_grid_thw"].as_tensor()
+            side = 2 * (i + 1)  # 14-pixel patches
+            assert grid.tolist() == [[1, side, side]]
+            placeholders = int((message["token_ids"] == model.config.image_token_id).sum())
+            assert placeholders == int(grid.prod()) // merge**2
+        # Each generated token's logprob equals a teacher-forced pass over the whole
+        # conversation with every image: nothing re-tokenized, every image in its place.
+        reference = teacher_forced_logprobs(model, log)
+        position = 0
+        for message in log:
+            n = len(message["token_ids"])
+            if message["role"] == "assistant":
+                torch.testing.assert_close(
+                    message["generation_logprobs"],
+                    reference[position - 1 : position + n - 1],
+                    atol=1e-4,
+                    rtol=0,
+                )
+            position += n
+    assert metrics["total_turns"] == 9
+
+
+def test_async_engine_gives_the_sync_logs_with_images(ray_session, policy):
+    processor = policy.processor
+    env = create_env("test_picture_board", num_cpus=0)
+    logs = []
+    for rollout in (run_multi_turn_rollout, run_async_multi_turn_rollout):
+        result = rollout(
+            policy, picture_batch(processor, board_metadata()), processor, {"board": env},
+            max_seq_len=400, max_rollout_turns=3, greedy=True,
+            observation_format="chat_template",
+        )  # fmt: skip
+        final, _ = asyncio.run(result) if asyncio.iscoroutine(result) else result
+        logs.append(final["message_log"])
+    for sync_log, async_log in zip(*logs):
+        assert [m["token_ids"].tolist() for m in sync_log] == [
+            m["token_ids"].tolist() for m in async_log
+        ]
+        torch.testing.assert_close(
+            torch.cat([m["generation_logprobs"] for m in sync_log if m["role"] == "assistant"]),
+            torch.cat([m["generation_logprobs"] for m in async_log if m["role"] == "assistant"]),
+            atol=1e-5,
+            rtol=0,
+        )
+
+
+def test_an_unreadable_observation_image_fails_only_its_sample(ray_session, policy):
+    processor = policy.processor
+    batch = picture_batch(processor, board_metadata({1: {"bad_image": True}}))
+    env = create_env("test_picture_board", num_cpus=0)
+    final, metrics = run_multi_turn_rollout(
+        policy, batch, processor, {"board": env}, max_seq_len=400, max_rollout_turns=3,
+        observation_format="chat_template",
+    )  # fmt: skip
+    assert final["num_turns"].tolist() == [3, 1, 3]
+    assert list(final["loss_multiplier"]) == [1.0, 0.0, 1.0]
+    assert "is not a readable image" in final["env_error"][1]
+    assert final["env_error"][0] is None and final["env_error"][2] is None
+    assert metrics["env_error_rate"] == pytest.approx(1 / 3)
+
+
+def test_images_in_observations_need_a_processor_and_a_template(ray_session, policy):
+    processor = policy.processor
+    env = create_env("test_picture_board", num_cpus=0)
+    final, _ = run_multi_turn_rollout(
+        policy, picture_batch(processor, board_metadata()), processor, {"board": env},
+        max_seq_len=400, max_rollout_turns=3, observation_format="raw",
+    )  # fmt: skip
+    assert final["num_turns"].tolist() == [1, 1, 1]
+    assert all("need observation_format='chat_template'" in e for e in final["env_error"])
