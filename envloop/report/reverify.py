@@ -2,7 +2,8 @@
 
 The replay: each sample's environment is stepped once per stored assistant turn, on the
 stored conversation up to and including that turn (``role`` and ``content`` only, what
-environments receive), with the metadata that environment returned on the previous replayed
+environments receive; an image part's ``image`` is the path of its file in the run
+directory), with the metadata that environment returned on the previous replayed
 step; the first step gets the sample's initial metadata (``initial_extra_env_info`` when the
 record has it, else ``extra_env_info``). Samples are stepped in one batch per task per turn,
 as in a rollout; a batch whose step fails is retried one sample at a time, so a failure is
@@ -53,8 +54,11 @@ class _Replay:
     terminated: bool = False
 
     @classmethod
-    def start(cls, record: dict[str, Any]) -> _Replay:
-        view = [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    def start(cls, record: dict[str, Any], run_dir: Path) -> _Replay:
+        view = [
+            {"role": m["role"], "content": _with_image_paths(m["content"], run_dir)}
+            for m in record["messages"]
+        ]
         metadata = record.get("initial_extra_env_info", record.get("extra_env_info"))
         at = [i for i, m in enumerate(view) if m["role"] == "assistant"]
         return cls(record, view, at, metadata)
@@ -81,7 +85,7 @@ def reverify_run(
     (Ray must be initialized). Environments built here are shut down afterwards.
     """
     run_dir = Path(run_dir)
-    replays = [_Replay.start(record) for record in load_rollouts(run_dir)]
+    replays = [_Replay.start(record, run_dir) for record in load_rollouts(run_dir)]
     tasks = list(dict.fromkeys(r.record["task"] for r in replays))
     owned: dict[str, Any] = {}
     if task_to_env is None:
@@ -204,6 +208,21 @@ def _comparison(replay: _Replay) -> dict[str, Any]:
         "old_error": old_error,
         "new_error": new_error,
     }
+
+
+def _with_image_paths(content: Any, run_dir: Path) -> Any:
+    """A stored content with each image part's file name (relative to the run directory)
+    made a path that environments can open from anywhere."""
+    if not isinstance(content, list):
+        return content
+    return [_image_path(part, run_dir.resolve()) for part in content]
+
+
+def _image_path(part: Any, run_dir: Path) -> Any:
+    named = isinstance(part, dict) and part.get("type") == "image"
+    if named and isinstance(part.get("image"), str):
+        return {**part, "image": str(run_dir / part["image"])}
+    return part
 
 
 def _number(value: Any) -> float:
