@@ -5,6 +5,12 @@ It imports transformers' tokenizer classes but not torch (the tokenizer is loade
 :mod:`envloop.models.tokenizer_classes` describes), Ray, the policy model or the rollout
 engine, so a run that cannot work fails in about a second; :func:`envloop.run.runner.run` takes
 the result as its ``inputs``.
+
+A dataset with images (``data.columns.images``) needs the policy's multimodal processor,
+loaded first (a text-only policy is an error naming both keys). Every image is loaded and
+checked, and every prompt is tokenized by the processor, so its length counts each image's
+expanded placeholder tokens exactly; this imports torch (the processor returns tensors), and
+the tokenized prompts, vision inputs included, are kept for the rollout.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from envloop.data.datasets import (
     PromptSample,
     build_rollout_batch,
     load_prompt_samples,
+    prompt_message_logs,
     prompt_token_ids,
 )
 from envloop.run.config import RunConfig
@@ -31,16 +38,19 @@ class RunInputs:
     """The checked inputs of a run."""
 
     samples: list[PromptSample]  # the dataset rows selected
-    tokenizer: Any  # the policy's tokenizer, as the policy loads it
+    tokenizer: Any  # the policy's tokenizer (its processor for images), as the policy loads it
     token_ids: list[list[list[int]]]  # per sample, per prompt message: its templated token ids
     seconds: float  # how long loading and tokenizing took
+    message_logs: list[Any] | None = None  # with images: the tokenized prompts, vision inputs too
 
     def rollout_batch(self, config: RunConfig) -> Any:
         """The rollout input (a BatchedDataDict, one row per prompt x generation; imports
         torch)."""
         stops = {task: env.stop_strings for task, env in config.envs.items()}
         gens = config.rollout.generations_per_prompt
-        return build_rollout_batch(self.samples, self.tokenizer, gens, stops, self.token_ids)
+        return build_rollout_batch(
+            self.samples, self.tokenizer, gens, stops, self.token_ids, self.message_logs
+        )
 
 
 def prepare_inputs(config: RunConfig) -> RunInputs:
@@ -49,15 +59,22 @@ def prepare_inputs(config: RunConfig) -> RunInputs:
     ``policy.tokenizer_name``, ``rollout.max_seq_len``)."""
     started = time.perf_counter()
     tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
+    images = config.data.columns.images
+    processor = load_policy_processor(config.policy, images) if images is not None else None
     samples = load_prompt_samples(config.data, tasks)
-    tokenizer = load_policy_tokenizer(config.policy)
-    token_ids = prompt_token_ids(samples, tokenizer)
+    logs = None
+    if processor is None:
+        tokenizer = load_policy_tokenizer(config.policy)
+        token_ids = prompt_token_ids(samples, tokenizer)
+    else:
+        tokenizer, logs = processor, prompt_message_logs(samples, processor)
+        token_ids = [[m["token_ids"].tolist() for m in log] for log in logs]
     lengths = [sum(map(len, messages)) for messages in token_ids]
     rows = [s.idx for s in samples]
     problem = prompt_length_problem(lengths, rows, config.rollout.max_seq_len)
     if problem:
         raise ConfigError("run config", [problem])
-    return RunInputs(samples, tokenizer, token_ids, time.perf_counter() - started)
+    return RunInputs(samples, tokenizer, token_ids, time.perf_counter() - started, logs)
 
 
 def load_policy_tokenizer(policy: PolicyConfig) -> Any:
@@ -66,16 +83,68 @@ def load_policy_tokenizer(policy: PolicyConfig) -> Any:
     given when it cannot be loaded (e.g. a hub id without network access)."""
     from envloop.models.tokenizers import get_tokenizer
 
-    if isinstance(policy, ServerPolicyConfig):
-        key, name = "policy.tokenizer", policy.tokenizer
-    else:
-        given = "tokenizer_name" in policy.model_fields_set and policy.tokenizer_name is not None
-        key = "policy.tokenizer_name" if given else "policy.model_name"
-        name = policy.tokenizer_name
+    key, name = _tokenizer_key(policy)
     try:
         return get_tokenizer({"name": name})
     except (OSError, ValueError) as exc:
         raise OSError(f"{key}: {_one_line(str(exc))}") from exc
+
+
+def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
+    """The multimodal processor ``policy`` generates with, for a dataset whose column
+    ``images_column`` holds images (as HfGeneration loads it: the model must be a
+    vision-language one, the processor comes from ``policy.tokenizer_name``). Raises
+    :class:`ConfigError` naming ``data.columns.images`` and the policy key when the policy
+    cannot take images: a text-only model, no processor, or the server backend."""
+    from envloop.data.multimodal_utils import is_processor
+    from envloop.models.bundled import resolve_model
+    from envloop.models.generation.hf_models import is_vision_language
+    from envloop.models.processors import load_processor
+
+    images = f"data.columns.images: column {images_column!r} holds images"
+    fix = "or set data.columns.images: null for text-only prompts"
+    if isinstance(policy, ServerPolicyConfig):
+        raise ConfigError(
+            "run config",
+            [f"{images}, but policy.backend: server sends no images to its servers yet; "
+             f"use policy.backend: hf with a vision-language model, {fix}"],
+        )  # fmt: skip
+    try:
+        vision_language = is_vision_language(policy.model_name)
+    except (OSError, ValueError) as exc:
+        vision_language, why = False, _one_line(str(exc))
+    else:
+        why = "its config has no vision part"
+    if not vision_language:
+        raise ConfigError(
+            "run config",
+            [f"{images}, but policy.model_name {policy.model_name!r} is not a vision-language "
+             f"model ({why}); name one (e.g. Qwen/Qwen2.5-VL-3B-Instruct), {fix}"],
+        )  # fmt: skip
+    key, name = _tokenizer_key(policy)
+    try:
+        processor = load_processor(resolve_model(name))
+    except (OSError, ValueError) as exc:
+        why = _one_line(str(exc))
+    else:
+        if is_processor(processor):
+            return processor
+        why = f"it loads as {type(processor).__name__}, a text tokenizer"
+    raise ConfigError(
+        "run config",
+        [f"{images}, but {key} {name!r} has no image processor ({why}); point it at the "
+         "vision-language model's folder or hub id (preprocessor_config.json and the "
+         f"tokenizer), {fix}"],
+    )  # fmt: skip
+
+
+def _tokenizer_key(policy: PolicyConfig) -> tuple[str, str]:
+    """The key naming the policy's tokenizer (as the user set it) and its value."""
+    if isinstance(policy, ServerPolicyConfig):
+        return "policy.tokenizer", policy.tokenizer
+    given = "tokenizer_name" in policy.model_fields_set and policy.tokenizer_name is not None
+    key = "policy.tokenizer_name" if given else "policy.model_name"
+    return key, str(policy.tokenizer_name)
 
 
 def prompt_length_problem(lengths: list[int], rows: list[int], max_seq_len: int) -> str | None:

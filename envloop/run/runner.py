@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import RolloutStream
 from envloop.experience.rollout_metrics import PhaseTimer
@@ -87,6 +88,7 @@ def run(
             envs = start_envs(config.envs)  # they start while the policy loads
         with startup.phase("policy_load"):
             policy = make_policy(config.policy)
+        _check_takes_images(config, policy)
         batch = inputs.rollout_batch(config)  # tokenized before Ray started
         with startup.phase("envs_wait"):
             wait_until_ready(envs, config.envs)
@@ -109,6 +111,26 @@ def make_policy(policy: PolicyConfig) -> Policy:
     if isinstance(policy, ServerPolicyConfig):
         return ServerGeneration(policy)
     return HfGeneration(policy)
+
+
+def engine_tokenizer(policy: Policy) -> Any:
+    """What the rollout engine tokenizes with: the policy's multimodal processor when it has
+    one (so observations may hold images), else its tokenizer."""
+    processor = getattr(policy, "processor", None)
+    return processor if processor is not None else policy.tokenizer
+
+
+def _check_takes_images(config: RunConfig, policy: Policy) -> None:
+    """An image dataset's policy must have a processor (the preflight checks this before
+    the model loads; this catches a policy that loaded without one)."""
+    column = config.data.columns.images
+    if column is not None and getattr(policy, "processor", None) is None:
+        raise ConfigError(
+            "run config",
+            [f"data.columns.images: column {column!r} holds images, but the policy "
+             f"(policy.backend: {config.policy.backend}) loaded without an image processor; "
+             "name a vision-language model, or set data.columns.images: null"],
+        )  # fmt: skip
 
 
 def start_ray(ray_config: RayConfig) -> bool:
@@ -173,7 +195,7 @@ def _roll_out_batch(
     """The sample records (in input order, numbered from ``first_sample``) and rollout
     metrics of one batch, rolled out in ``rollout.mode``; an async rollout reports each
     sample to ``progress`` as it finishes."""
-    args = (policy, part, policy.tokenizer, envs, rollout.max_seq_len, rollout.max_turns)
+    args = (policy, part, engine_tokenizer(policy), envs, rollout.max_seq_len, rollout.max_turns)
     options = {"greedy": rollout.greedy, "on_turn": progress.on_turn, **rollout.engine_options()}
     if rollout.mode == "async":
         stream = RolloutStream(*args, **options)
