@@ -1,0 +1,252 @@
+"""Flattening tokenized message logs that hold images (tiny Qwen2.5-VL processor, real PIL
+images): each sample's vision inputs become one PackedTensor item, aligned with its sample,
+equal to what the processor gives for the whole conversations."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from envloop.data.llm_message_utils import (
+    batched_message_log_to_flat_message,
+    get_formatted_message_log,
+    message_log_to_flat_messages,
+)
+from envloop.data.multimodal_utils import PackedTensor
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.tiny_vlm import build_tiny_vlm_processor
+
+VISION_KEYS = ("pixel_values", "image_grid_thw")
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return build_tiny_vlm_processor()
+
+
+def _image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
+    """Random RGB noise, so two different images never give equal pixel values."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _image_part(image: Image.Image) -> dict:
+    return {"type": "image", "image": image}
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _conversation(images: list[list[Image.Image]], tag: str) -> list[dict]:
+    """User turns holding ``images[k]`` each, with assistant text replies between them."""
+    log: list[dict] = [{"role": "system", "content": f"Sample {tag}."}]
+    for k, turn_images in enumerate(images):
+        parts = [_image_part(im) for im in turn_images] + [_text(f"turn {k} of {tag}?")]
+        log.append({"role": "user", "content": parts})
+        log.append({"role": "assistant", "content": f"reply {k}"})
+    return log
+
+
+def _images(log: list[dict]) -> list[Image.Image]:
+    parts = [p for m in log if isinstance(m["content"], list) for p in m["content"]]
+    return [p["image"] for p in parts if p["type"] == "image"]
+
+
+def _expected(processor, logs: list[list[dict]]) -> dict:
+    """The processor on the whole templated conversations (all their images, in order)."""
+    texts = [processor.apply_chat_template(log, tokenize=False) for log in logs]
+    images = [image for log in logs for image in _images(log)]
+    return processor(text=texts, images=images or None, return_tensors="pt", padding=True)
+
+
+def test_a_log_flattens_to_one_item_of_its_images_in_message_order(processor):
+    images = [[_image(1), _image(2, 60, 20)], [], [_image(3, 14, 90)]]
+    log = get_formatted_message_log(_conversation(images, "a"), processor)
+    flat = message_log_to_flat_messages(log)
+    expected = _expected(processor, [_conversation(images, "a")])
+    assert flat["token_ids"].tolist() == expected["input_ids"][0].tolist()
+    for key in VISION_KEYS:
+        assert isinstance(flat[key], PackedTensor) and len(flat[key]) == 1
+        assert torch.equal(flat[key][0], expected[key])
+        per_message = [m[key][0] for m in log if key in m]
+        assert len(per_message) == 2  # the two user turns with images
+        assert torch.equal(flat[key][0], torch.cat(per_message))
+    assert flat["role"] == [m["role"] for m in log]
+    assert flat["content"][1][0]["image"] is images[0][0]
+
+
+def test_a_log_with_one_image_message_keeps_its_tensor(processor):
+    log = get_formatted_message_log(_conversation([[_image(4)]], "b"), processor)
+    flat = message_log_to_flat_messages(log)
+    assert flat["pixel_values"][0] is log[1]["pixel_values"][0]
+
+
+def test_a_text_only_log_has_no_vision_keys(processor):
+    log = get_formatted_message_log(_conversation([[], []], "c"), processor)
+    flat = message_log_to_flat_messages(log)
+    assert not set(VISION_KEYS) & set(flat)
+
+
+def test_the_batch_has_one_image_item_per_sample_equal_to_the_processor(processor):
+    images = [[[_image(5), _image(6, 28, 28)]], [[]], [[_image(7, 50, 50)], [_image(8)]]]
+    conversations = [_conversation(im, str(i)) for i, im in enumerate(images)]
+    logs = [get_formatted_message_log(c, processor) for c in conversations]
+    flat, lengths = batched_message_log_to_flat_message(
+        logs, {"token_ids": processor.tokenizer.pad_token_id}, make_sequence_length_divisible_by=8
+    )
+    expected = _expected(processor, conversations)
+    masks = expected["attention_mask"].bool()
+    rows = [ids[mask].tolist() for ids, mask in zip(expected["input_ids"], masks)]
+    assert lengths.tolist() == [len(r) for r in rows]
+    assert flat["token_ids"].shape == (3, -(-max(map(len, rows)) // 8) * 8)
+    assert [flat["token_ids"][i, :n].tolist() for i, n in enumerate(lengths)] == rows
+    for key in VISION_KEYS:
+        packed = flat[key]
+        assert isinstance(packed, PackedTensor) and len(packed) == 3
+        assert packed[1] is None
+        assert torch.equal(packed.as_tensor(), expected[key])
+        for i in (0, 2):
+            assert torch.equal(packed[i], _expected(processor, [conversations[i]])[key])
+
+
+def test_vision_keys_never_widen_the_padded_tokens(processor):
+    # 64 patches of 1176 values: far more rows than tokens, yet L is the longest token row.
+    logs = [get_formatted_message_log(_conversation([[_image(9, 112, 112)]], "d"), processor)]
+    logs.append(get_formatted_message_log(_conversation([], "e"), processor))
+    flat, lengths = batched_message_log_to_flat_message(logs)
+    assert flat["pixel_values"][0].shape[0] == 64
+    assert (
+        flat["token_ids"].shape[1]
+        == max(lengths.tolist())
+        == len(torch.cat([m["token_ids"] for m in logs[0]]))
+    )
+
+
+def test_a_flat_batch_keeps_images_aligned_through_batch_operations(processor):
+    counts = [0, 1, 2, 0]
+    conversations = [
+        _conversation([[_image(10 * i + j) for j in range(n)]], str(i))
+        for i, n in enumerate(counts)
+    ]
+    logs = [get_formatted_message_log(c, processor) for c in conversations]
+    flat, _ = batched_message_log_to_flat_message(logs)
+    flat["sample"] = list(range(4))
+    per_sample = [flat["pixel_values"][i] for i in range(4)]
+    joined = BatchedDataDict.from_batches(
+        [flat.select_indices([2, 3, 1]).repeat_interleave(2), flat.slice(0, 2)]
+    )
+    assert joined["sample"] == [2, 2, 3, 3, 1, 1, 0, 1]
+    for row, sample in enumerate(joined["sample"]):
+        assert joined["pixel_values"][row] is per_sample[sample]
+        content = joined["content"][row]  # per message; repeats are deep copies
+        assert content[0] == f"Sample {sample}."
+        assert len(_images([{"content": c} for c in content])) == counts[sample]
+        originals = _images(conversations[sample])
+        assert all(a is b for a, b in zip(_images([{"content": c} for c in content]), originals))
+    assert joined["content"][0] is not joined["content"][1]
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    image_counts=st.lists(
+        st.lists(st.integers(0, 2), min_size=1, max_size=2), min_size=1, max_size=4
+    ),
+    sizes=st.lists(st.tuples(st.integers(8, 80), st.integers(8, 80)), min_size=16, max_size=16),
+    seed=st.integers(0, 2**16),
+)
+def test_each_samples_image_data_is_its_own(processor, image_counts, sizes, seed):
+    shapes, seeds = iter(sizes), itertools.count(seed)
+    images = [
+        [[_image(next(seeds), *next(shapes)) for _ in range(n)] for n in turns]
+        for turns in image_counts
+    ]
+    conversations = [_conversation(im, str(i)) for i, im in enumerate(images)]
+    logs = [get_formatted_message_log(c, processor) for c in conversations]
+    flat, lengths = batched_message_log_to_flat_message(logs)
+    has_images = [sum(map(len, im)) > 0 for im in images]
+    if not any(has_images):
+        assert not set(VISION_KEYS) & set(flat)
+        return
+    for key in VISION_KEYS:
+        assert len(flat[key]) == len(logs)
+        for i, conversation in enumerate(conversations):
+            if not has_images[i]:
+                assert flat[key][i] is None
+                continue
+            assert torch.equal(flat[key][i], _expected(processor, [conversation])[key])
+        assert torch.equal(flat[key].as_tensor(), _expected(processor, conversations)[key])
+    assert lengths.tolist() == [sum(len(m["token_ids"]) for m in log) for log in logs]
+
+
+# --- errors --------------------------------------------------------------------------------
+
+
+def _ids(n: int) -> torch.Tensor:
+    return torch.arange(n)
+
+
+def _one(item: torch.Tensor, dim: int = 0) -> PackedTensor:
+    return PackedTensor([item], dim_to_pack=dim)
+
+
+def test_a_packed_key_stored_otherwise_in_another_message_names_the_key():
+    log = [
+        {"role": "user", "token_ids": _ids(2), "pixel_values": _one(torch.ones(2, 3))},
+        {"role": "user", "token_ids": _ids(1), "pixel_values": torch.ones(1, 3)},
+    ]
+    with pytest.raises(TypeError) as raised:
+        message_log_to_flat_messages(log)
+    assert str(raised.value) == (
+        "message 1: 'pixel_values' is a Tensor, but a PackedTensor in other messages of the "
+        "log. Store 'pixel_values' (a vision input) as a PackedTensor in every message that "
+        "has it, as get_formatted_message_log does."
+    )
+
+
+def test_a_packed_key_stored_otherwise_in_another_sample_names_the_key():
+    logs = [
+        [{"role": "user", "token_ids": _ids(2), "pixel_values": _one(torch.ones(2, 3))}],
+        [{"role": "user", "token_ids": _ids(1)}],
+        [{"role": "user", "token_ids": _ids(1), "pixel_values": "not packed"}],
+    ]
+    with pytest.raises(TypeError) as raised:
+        batched_message_log_to_flat_message(logs)
+    assert str(raised.value) == (
+        "'pixel_values' is a PackedTensor in some samples and a list in samples [2]. Store "
+        "'pixel_values' as a PackedTensor in every message that has it."
+    )
+
+
+@pytest.mark.parametrize("across", ["messages", "samples"])
+def test_packed_items_of_different_widths_raise_naming_the_key(across):
+    a = {"role": "user", "token_ids": _ids(1), "pixel_values": _one(torch.ones(2, 3))}
+    b = {"role": "user", "token_ids": _ids(1), "pixel_values": _one(torch.ones(2, 4))}
+    logs = [[a, b]] if across == "messages" else [[a], [b]]
+    message = "tensors for key='pixel_values' must have the same shape after dim 0"
+    with pytest.raises(RuntimeError, match=message):
+        batched_message_log_to_flat_message(logs)
+
+
+def test_packed_items_along_different_dims_raise_naming_the_key():
+    a = {"role": "user", "pixel_values": _one(torch.ones(2, 3))}
+    b = {"role": "user", "pixel_values": _one(torch.ones(2, 3), dim=1)}
+    with pytest.raises(ValueError, match=r"for key 'pixel_values' are packed along different"):
+        message_log_to_flat_messages([a, b])
+    with pytest.raises(ValueError, match=r"for key 'pixel_values' are packed along different"):
+        batched_message_log_to_flat_message([[a], [b]])
+
+
+def test_a_batch_without_token_tensors_still_packs_its_vision_inputs():
+    pixels = torch.ones(2, 3)
+    logs = [[{"role": "user", "pixel_values": _one(pixels)}], [{"role": "user"}]]
+    flat, lengths = batched_message_log_to_flat_message(logs)
+    assert lengths.tolist() == []
+    assert flat["role"] == ["user", "user"]
+    assert flat["pixel_values"][0] is pixels and flat["pixel_values"][1] is None
