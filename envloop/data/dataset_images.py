@@ -65,8 +65,8 @@ def _shown(item: Any) -> str:
         head = f"{data[:12]!r}{'...' if len(data) > 12 else ''}"
         return f"of {len(data)} bytes {head}"
     if isinstance(item, Mapping) and ("bytes" in item or "path" in item):
-        data = item.get("bytes")
-        size = f"{len(data)} bytes" if isinstance(data, (bytes, bytearray)) else repr(data)
+        stored = item.get("bytes")
+        size = f"{len(stored)} bytes" if isinstance(stored, (bytes, bytearray)) else repr(stored)
         return f"{{'bytes': {size}, 'path': {item.get('path')!r}}}"
     text = repr(item)
     return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
