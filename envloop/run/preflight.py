@@ -54,9 +54,10 @@ class RunInputs:
 
 
 def prepare_inputs(config: RunConfig) -> RunInputs:
-    """The prompts of ``config`` loaded and tokenized, checked against the config. Raises
-    :class:`ConfigError` naming the key to change (``data.*``, ``policy.model_name`` /
-    ``policy.tokenizer_name``, ``rollout.max_seq_len``)."""
+    """The prompts of ``config`` loaded and tokenized (with ``data.columns.images``, by the
+    policy's processor, loaded first: :func:`load_policy_processor`), checked against the
+    config. Raises :class:`ConfigError` naming the key to change (``data.*``,
+    ``policy.model_name`` / ``policy.tokenizer_name``, ``rollout.max_seq_len``)."""
     started = time.perf_counter()
     tasks = {task: env.needs_ground_truth() for task, env in config.envs.items()}
     images = config.data.columns.images
