@@ -269,8 +269,7 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
             )
         if dynamic_batching_args is not None:
             args: Any = dynamic_batching_args
-            width = self[args["input_key"]].shape[1]
-            plan = dynamic_plan(self._lengths(args), shards, chunk, width, args)
+            plan = dynamic_plan(self._lengths(args), shards, chunk, self._input_width(args), args)
         else:
             args = sequence_packing_args
             plan = packing_plan(self._lengths(args), shards, chunk, args)
@@ -404,8 +403,24 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                 f"{sorted(self)}); set input_lengths_key to the [B] column of lengths."
             )
         lengths = self[key]
+        if isinstance(lengths, PackedTensor):
+            raise TypeError(
+                f"input_lengths_key {key!r} is a PackedTensor column (per-sample items such "
+                "as images); set input_lengths_key to the [B] column of lengths."
+            )
         values = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
         return [int(n) for n in values]
+
+    def _input_width(self, args: Mapping[str, Any]) -> int:
+        key = args["input_key"]
+        value = self.get(key)
+        if not isinstance(value, torch.Tensor) or value.dim() < 2:
+            got = "missing" if value is None else _column_summary(value)
+            raise TypeError(
+                f"input_key {key!r} must be the [B, L] tensor column of token ids, got {got}; "
+                "set input_key to that column."
+            )
+        return int(value.shape[1])
 
     def _shards(self, plan: ShardPlan) -> list[BatchedDataDict[Any]]:
         shards: list[BatchedDataDict[Any]] = []

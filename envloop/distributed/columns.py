@@ -41,22 +41,23 @@ def unsupported(key: str, value: Any) -> TypeError:
 
 
 def deepcopy_sharing_images(item: Any, times: int) -> list[Any]:
-    """``times`` deep copies of ``item`` that share its image data: PIL images found in its
-    dicts, lists and tuples are not copied, nor are the tensors of its ``PackedTensor``
-    values (``PackedTensor.__deepcopy__``). Everything else (e.g. ``token_ids``) is copied."""
-    shared = {id(image): image for image in _pil_images(item)}
+    """``times`` deep copies of ``item`` that share its image data: PIL images and encoded
+    image buffers (``bytearray``, ``memoryview``; ``bytes`` are immutable and never copied)
+    found in its dicts, lists and tuples are not copied, nor are the tensors of its
+    ``PackedTensor`` values (``PackedTensor.__deepcopy__``). Everything else (e.g.
+    ``token_ids``, the content lists holding the images) is copied."""
+    shared = {id(data): data for data in _image_data(item)}
     return [copy.deepcopy(item, dict(shared)) for _ in range(times)]
 
 
-def _pil_images(item: Any) -> list[Any]:
-    """The PIL images held in ``item``'s nested dicts, lists and tuples."""
-    pil = sys.modules.get("PIL.Image")
-    if pil is None:  # PIL never imported: no PIL image can exist
-        return []
+def _image_data(item: Any) -> list[Any]:
+    """The PIL images and byte buffers held in ``item``'s nested dicts, lists and tuples."""
+    pil = sys.modules.get("PIL.Image")  # not imported: no PIL image can exist
+    kinds = (bytearray, memoryview) if pil is None else (bytearray, memoryview, pil.Image)
     found, stack = [], [item]
     while stack:
         value = stack.pop()
-        if isinstance(value, pil.Image):
+        if isinstance(value, kinds):
             found.append(value)
         elif isinstance(value, Mapping):
             stack.extend(value.values())

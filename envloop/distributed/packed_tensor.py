@@ -14,7 +14,7 @@ The published path is ``envloop.data.multimodal_utils.PackedTensor``; it lives h
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -67,7 +67,16 @@ class PackedTensor:
     def __iter__(self) -> Iterator[torch.Tensor | None]:
         return iter(self.tensors)
 
-    def __getitem__(self, index: int) -> torch.Tensor | None:
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor | None: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> PackedTensor: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | PackedTensor | None:
+        """Item ``index``, or for a slice the items as a PackedTensor (same tensors)."""
+        if isinstance(index, slice):
+            return self.slice(index)
         return self.tensors[index]
 
     def __repr__(self) -> str:

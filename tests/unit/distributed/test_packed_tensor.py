@@ -70,6 +70,8 @@ def test_slice_and_repeat_interleave_share_the_item_tensors():
     assert all(x is y for x, y in zip(packed.slice(torch.tensor([2, 0])), [c, a]))
     assert packed.slice(slice(1, None)).tensors[0] is b
     assert packed.slice([-1])[0] is c
+    assert isinstance(packed[1:], PackedTensor) and _same_items(packed[1:], [b, c])
+    assert packed[-1] is c
     repeated = packed.repeat_interleave(2)
     assert [t.data_ptr() for t in repeated] == [t.data_ptr() for t in (a, a, b, b, c, c)]
     assert all(x is y for x, y in zip(repeated, (a, a, b, b, c, c)))
@@ -184,6 +186,7 @@ def test_slice_takes_the_same_items():
 def test_repeat_interleave_shares_image_data_and_copies_the_rest():
     image = Image.new("RGB", (5, 3), (9, 8, 7))
     encoded = b"\x89PNG not really"
+    buffer = bytearray(encoded)
     pixels = _patches(0, 2)
     log = [
         {
@@ -193,6 +196,7 @@ def test_repeat_interleave_shares_image_data_and_copies_the_rest():
             "pixel_values": _packed(pixels),
         },
         {"role": "user", "content": [{"type": "image", "image": encoded}]},
+        {"role": "user", "content": [{"type": "image", "image": {"bytes": buffer}}]},
     ]
     batch = BatchedDataDict({"message_log": [log], "pixel_values": _packed(pixels)})
     out = batch.repeat_interleave(3)
@@ -202,6 +206,7 @@ def test_repeat_interleave_shares_image_data_and_copies_the_rest():
     for copy_ in (first, second):
         assert copy_[0]["content"][0]["image"] is image
         assert copy_[1]["content"][0]["image"] is encoded
+        assert copy_[2]["content"][0]["image"]["bytes"] is buffer
         assert copy_[0]["pixel_values"][0] is pixels
         assert copy_[0]["pixel_values"] is not log[0]["pixel_values"]
         assert copy_[0]["token_ids"].data_ptr() != log[0]["token_ids"].data_ptr()
@@ -270,6 +275,34 @@ def test_dynamic_batching_and_packing_move_items_with_their_rows():
             for m in micro:  # token tensors are cut to the micro-batch length, images are not
                 rows = [int(r) for r in m["input_ids"][:, 0]]
                 assert _same_items(m["pixel_values"], [batch["pixel_values"][r] for r in rows])
+
+
+def test_sharding_by_a_packed_lengths_or_input_column_names_it():
+    batch = _length_batch()
+    packing = {
+        "max_tokens_per_microbatch": 6,
+        "input_key": "input_ids",
+        "input_lengths_key": "pixel_values",
+        "algorithm": "first_fit_decreasing",
+    }
+    with pytest.raises(TypeError) as raised:
+        batch.shard_by_batch_size(2, sequence_packing_args=packing)
+    assert str(raised.value) == (
+        "input_lengths_key 'pixel_values' is a PackedTensor column (per-sample items such as "
+        "images); set input_lengths_key to the [B] column of lengths."
+    )
+    dynamic = {
+        "max_tokens_per_microbatch": 10,
+        "sequence_length_round": 1,
+        "input_key": "pixel_values",
+        "input_lengths_key": "input_lengths",
+    }
+    with pytest.raises(TypeError) as raised:
+        batch.shard_by_batch_size(2, dynamic_batching_args=dynamic)
+    assert str(raised.value) == (
+        "input_key 'pixel_values' must be the [B, L] tensor column of token ids, got "
+        "PackedTensor[4, 4 present] float32; set input_key to that column."
+    )
 
 
 def test_microbatch_iteration_chunk_and_get_batch_slice_items():
