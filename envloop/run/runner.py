@@ -46,7 +46,7 @@ from envloop.run.metrics import (
 from envloop.run.outputs import RunWriter
 from envloop.run.preflight import RunInputs, prepare_inputs
 from envloop.run.progress import Progress
-from envloop.run.records import TOKEN_KEYS, sample_records
+from envloop.run.records import PARQUET_ONLY_KEYS, sample_records
 
 Policy = HfGeneration | ServerGeneration
 """The backends a run config can name (``policy.backend``)."""
@@ -171,7 +171,7 @@ def _roll_out(
                 records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
             )
             parts.append((metrics, part.size))
-            kept += [{k: v for k, v in r.items() if k not in TOKEN_KEYS} for r in records]
+            kept += [{k: v for k, v in r.items() if k not in PARQUET_ONLY_KEYS} for r in records]
         progress.close()
         metrics = {
             "rollout": combine_rollout_metrics(parts),
