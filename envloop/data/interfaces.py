@@ -18,6 +18,8 @@ from typing import Any, TypedDict
 import torch
 from typing_extensions import NotRequired
 
+from envloop.distributed.packed_tensor import PackedTensor
+
 
 class Message(TypedDict, total=False):
     """One chat message; ``role`` and ``content`` are always present."""
@@ -32,8 +34,9 @@ class Message(TypedDict, total=False):
 LLMMessageLogType = list[dict[str, Any]]
 """A conversation: a list of messages (dicts), oldest first."""
 
-FlatMessagesType = dict[str, list[Any] | torch.Tensor]
-"""A message log flattened per key: tensors concatenated, other values listed."""
+FlatMessagesType = dict[str, list[Any] | torch.Tensor | PackedTensor]
+"""A message log flattened per key: tensors concatenated, ``PackedTensor`` values (vision
+inputs) joined into one item, other values listed."""
 
 
 class DatumSpec(TypedDict):

@@ -72,9 +72,8 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
     for key, template in templates.items():
         parts = [_per_token_part(message, key, template) for message in message_log]
         flat[key] = _concat_parts(key, [p for p in parts if p is not None])
-    for key in packed_keys:  # FlatMessagesType (data.interfaces) does not name PackedTensor yet
-        packed = _packed_log_item(key, [m[key] for m in message_log if key in m])
-        flat[key] = packed  # type: ignore[assignment]
+    for key in packed_keys:
+        flat[key] = _packed_log_item(key, [m[key] for m in message_log if key in m])
     for message in message_log:
         for key, value in message.items():
             if key not in templates and key not in packed_keys:

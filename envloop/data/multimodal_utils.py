@@ -15,14 +15,17 @@ can handle it) and published here.
 
 from __future__ import annotations
 
-import io
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from envloop.data.content_parts import (
+    content_images,
+    content_text_parts,
+    has_images,
+    load_image,
+)
 from envloop.distributed.packed_tensor import PackedTensor
 
 __all__ = [
@@ -81,76 +84,3 @@ def message_vision_inputs(
         )
         for key in vision_keys(processor_output)
     }
-
-
-def has_images(content: Any) -> bool:
-    """Whether a message's ``content`` holds an image part."""
-    return isinstance(content, list) and any(_is_image_part(p) for p in content)
-
-
-def content_images(content: Any, where: str = "message") -> list[Any]:
-    """The images of a message's ``content`` parts, loaded as RGB PIL images, in order."""
-    if not isinstance(content, list):
-        return []
-    return [
-        load_image(part["image"], f"{where}, content part {k}")
-        for k, part in enumerate(content)
-        if _is_image_part(part)
-    ]
-
-
-def content_text_parts(content: Any) -> str:
-    """The text of a message's ``content``: itself if a string, else its text parts joined."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(p.get("text", ""))
-            for p in content
-            if isinstance(p, Mapping) and p.get("type") == "text"
-        )
-    return "" if content is None else str(content)
-
-
-def load_image(image: Any, where: str = "image") -> Any:
-    """``image`` as an RGB PIL image: a PIL image, a local path, encoded bytes, or a
-    ``{"bytes": ..., "path": ...}`` dict (a ``datasets`` Image feature's stored form).
-
-    Raises ``ValueError`` naming ``where`` and the fix when it cannot be read.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(image, Image.Image):
-        return image if image.mode == "RGB" else image.convert("RGB")
-    if isinstance(image, Mapping) and ("bytes" in image or "path" in image):
-        image = image.get("bytes") or image.get("path")
-    try:
-        if isinstance(image, (bytes, bytearray, memoryview)):
-            opened = Image.open(io.BytesIO(bytes(image)))
-        elif isinstance(image, (str, os.PathLike)):
-            path = Path(image)
-            if not path.is_file():
-                raise ValueError(
-                    f"{where}: image file {os.fspath(image)!r} does not exist; give an existing "
-                    "local path (relative paths in a dataset are relative to its data file)."
-                )
-            opened = Image.open(path)
-        else:
-            raise ValueError(
-                f"{where}: an image must be a PIL image, a local file path or encoded bytes, "
-                f"got {type(image).__name__}."
-            )
-        opened.load()
-    except (UnidentifiedImageError, OSError) as exc:
-        shown = (
-            f"{os.fspath(image)!r}" if isinstance(image, (str, os.PathLike)) else "the bytes given"
-        )
-        raise ValueError(
-            f"{where}: {shown} is not a readable image ({exc}); give a PNG, JPEG or another "
-            "format Pillow reads."
-        ) from None
-    return opened.convert("RGB")
-
-
-def _is_image_part(part: Any) -> bool:
-    return isinstance(part, Mapping) and part.get("type") == "image"

@@ -49,7 +49,8 @@ def processor_without_video(processor_class: type) -> type:
     """``processor_class`` taking no video processor (same name, so it saves as itself)."""
 
     def __init__(self: Any, image_processor: Any = None, tokenizer: Any = None, **kwargs: Any):
-        processor_class.__init__(self, image_processor, tokenizer, None, **kwargs)
+        base: Any = processor_class
+        base.__init__(self, image_processor, tokenizer, None, **kwargs)
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("videos") is not None:
@@ -58,7 +59,8 @@ def processor_without_video(processor_class: type) -> type:
                 "torchvision is not installed; video input needs torchvision (a build that "
                 "matches your torch). Images work without it."
             )
-        return processor_class.__call__(self, *args, **kwargs)
+        base: Any = processor_class
+        return base.__call__(self, *args, **kwargs)
 
     return type(
         processor_class.__name__,

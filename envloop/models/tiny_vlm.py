@@ -51,7 +51,7 @@ def build_tiny_vlm_processor(
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = VL_CHATML_TEMPLATE
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    processor_class = Qwen2_5_VLProcessor
+    processor_class: Any = Qwen2_5_VLProcessor
     if not torchvision_available():
         processor_class = processor_without_video(Qwen2_5_VLProcessor)
     return processor_class(
@@ -100,9 +100,6 @@ def tiny_vlm_config(processor: Any, hidden_size: int = 64, layers: int = 2) -> A
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
         tie_word_embeddings=True,
     )
 

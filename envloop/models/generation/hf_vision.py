@@ -50,7 +50,7 @@ def row_visions(
             )
     visions: list[dict[str, torch.Tensor] | None] = []
     for row, prompt in enumerate(prompts):
-        inputs = {k: c[row] for k, c in columns.items() if c[row] is not None}
+        inputs = {k: item for k, c in columns.items() if (item := c[row]) is not None}
         _check_placeholders(row, prompt, inputs, image_token_id, model.config)
         visions.append(inputs or None)
     return visions

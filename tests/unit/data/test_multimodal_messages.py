@@ -187,7 +187,10 @@ def test_a_missing_image_file_names_the_message_and_part(processor, tmp_path: Pa
 
 def test_unreadable_image_bytes_name_the_message_and_part(processor):
     conversation = [{"role": "user", "content": [_img(_image(10)), _img(b"not an image")]}]
-    with pytest.raises(ValueError, match=r"^message 0, content part 1: the bytes given is not a "):
+    with pytest.raises(
+        ValueError,
+        match=r"^message 0, content part 1: the 12 bytes given is not a readable image \(Pillow ",
+    ):
         get_formatted_message_log(conversation, processor)
     with pytest.raises(ValueError, match=re.escape("give a PNG, JPEG or another format Pillow")):
         get_formatted_message_log(conversation, processor)

@@ -156,5 +156,5 @@ def test_a_message_without_a_grid_row_per_image_stores_no_grid(processor):
 def test_an_unreadable_image_is_named(processor):
     sample = finished_sample(processor, image_prompt(RED), [("three", None, 1.0)])
     sample["prompt_messages"] = image_prompt(b"not an image")
-    with pytest.raises(ValueError, match="sample 4, message 1, content part 0: the bytes given"):
+    with pytest.raises(ValueError, match="sample 4, message 1, content part 0: the 12 bytes given"):
         sample_records(rollout_batch([sample], ["count"]), first_sample=4)

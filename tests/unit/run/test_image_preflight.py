@@ -145,7 +145,8 @@ def test_bad_images_are_all_named_before_anything_loads_the_model(vlm_dir, image
         f"data.columns.images): image file '{folder}/imgs/gone.png' does not exist; give an "
         "existing local path (relative paths in a dataset are relative to its data file).",
         "row 2 (line 3 of d.jsonl): image 7 (column 'image', data.columns.images): an image "
-        "must be a PIL image, a local file path or encoded bytes, got int.",
+        'must be a PIL image, a local file path, encoded bytes or a {"bytes": ..., "path": ...} '
+        "dict, got int.",
     ]
 
 
