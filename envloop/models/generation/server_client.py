@@ -13,8 +13,10 @@ fails its row at once, with the server's message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -77,7 +79,11 @@ class ServerClient:
         if request.budget <= 0:
             return SampleResult(truncated=True)
         try:
-            reply = await self._call(self.dialect.body(request, sampling), key, self.dialect.parse)
+            reply = await self._call(
+                lambda server: self.dialect.body(request, sampling, server.media),
+                key,
+                lambda payload: _counted(self.dialect.parse(payload), request, 0),
+            )
             logprobs = await self._complete_logprobs(request, sampling, reply, key)
         except GenerationFailed as exc:
             self.counts["failed_rows"] += 1
@@ -92,6 +98,11 @@ class ServerClient:
         payload = await self._post(server, self.dialect.path, self.dialect.probe_body(token_id))
         return self.dialect.parse(payload)
 
+    async def probe_media(self, server: ServerSlot) -> None:
+        """Ask a llama.cpp ``server`` about image input (``GET /props``) into ``server.media``."""
+        if isinstance(self.dialect, LlamaCppDialect):
+            server.media = self.dialect.parse_media(await self.get_json(server.url + "/props"))
+
     async def get_json(self, url: str) -> Any:
         """GET ``url``'s JSON; a server not (yet) answering raises :class:`RetryableFailure`."""
         assert self._session is not None
@@ -103,15 +114,18 @@ class ServerClient:
         except _UNREACHABLE as exc:
             raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
 
-    async def _call(self, body: dict[str, Any], key: Any, parse: Any) -> Any:
-        """POST ``body`` to the dialect's path and ``parse`` the answer, with retries."""
+    async def _call(
+        self, body: Callable[[ServerSlot], dict[str, Any]], key: Any, parse: Any
+    ) -> Any:
+        """POST ``body(server)`` to the dialect's path of the server the router picks and
+        ``parse`` the answer, with retries."""
         attempts = self.config.max_retries + 1
         for attempt in range(attempts):
             server = self.router.acquire(key)
             self.counts["requests"] += 1
             answered = False
             try:  # released however it ends, a cancellation included
-                result = parse(await self._post(server, self.dialect.path, body))
+                result = parse(await self._post(server, self.dialect.path, body(server)))
                 answered = True
             except (RetryableFailure, MalformedReply) as exc:
                 error = f"{server.url}{self.dialect.path}: {exc}"
@@ -182,15 +196,59 @@ class ServerClient:
         assert isinstance(dialect, LlamaCppDialect)
         for attempt in range(SCORE_ATTEMPTS):
             for n_probs in dict.fromkeys((min(SCORE_CANDIDATES, self.vocab_size), self.vocab_size)):
-                body = dialect.score_body(request, prefix, sampling, n_probs, attempt)
                 self.counts["score_requests"] += 1
-                value = await self._call(body, key, lambda p: dialect.parse_score(p, token))
+                value = await self._call(
+                    functools.partial(
+                        _score_body, dialect, request, prefix, sampling, n_probs, attempt
+                    ),
+                    key,
+                    lambda p: _scored(p, token, request, len(prefix)),
+                )
                 if value is not None:
                     return value
         raise GenerationFailed(
             f"llama.cpp reported no probability for token {token} at position {len(prefix)} "
             f"of the reply, nor in {SCORE_ATTEMPTS} scoring requests"
         )
+
+
+def _score_body(
+    dialect: LlamaCppDialect, request: GenerationRequest, prefix: list[int], sampling: Sampling,
+    n_probs: int, attempt: int, server: ServerSlot,
+) -> dict[str, Any]:  # fmt: skip
+    return dialect.score_body(request, prefix, sampling, n_probs, attempt, server.media)
+
+
+def _counted(reply: Reply, request: GenerationRequest, extra: int) -> Reply:
+    """``reply``, after checking that a server given images counted the prompt's tokens (plus
+    ``extra``) as the processor did."""
+    expected = len(request.prompt) + extra
+    if request.images is not None and reply.prompt_tokens not in (None, expected):
+        raise GenerationFailed(
+            f"the server read the prompt and its {len(request.images.png)} image(s) as "
+            f"{reply.prompt_tokens} tokens, the processor as {expected}: it resized an image "
+            "or re-tokenized the text differently (llama.cpp: start llama-server with "
+            "--image-min-tokens/--image-max-tokens covering the processor's min_pixels and "
+            "max_pixels; SGLang: run it with SGLANG_MM_AVOID_RETOKENIZE=1)"
+        )
+    return reply
+
+
+def _scored(payload: Any, token: int, request: GenerationRequest, prefix: int) -> float | None:
+    """The score of ``token`` in a llama.cpp answer; for a prompt with images, whose text the
+    server re-tokenizes, only when it read the prompt and the reply's first ``prefix``
+    tokens as that many tokens."""
+    count = payload.get("tokens_evaluated") if isinstance(payload, dict) else None
+    expected = len(request.prompt) + prefix
+    if request.images is not None and count != expected:
+        raise GenerationFailed(
+            f"llama.cpp reported no probability for token {token} at position {prefix} of "
+            "the reply (it ends mid-way through a character, or in a stop string), and a "
+            "prompt with images reaches it only as text: the reply's tokens before it read "
+            f"back as {count} tokens, not {expected}; serve the model with SGLang, or use "
+            "stop strings and a model whose replies decode to whole characters"
+        )
+    return LlamaCppDialect.parse_score(payload, token)
 
 
 _JSON = {"Content-Type": "application/json"}

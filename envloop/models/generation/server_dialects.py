@@ -16,6 +16,14 @@ Log-probabilities, as each dialect asks for them:
 - greedy tokens: the model's unfiltered log-softmax at temperature 1, the value all three
   servers report for an argmax.
 
+Images (a row's :class:`~server_media.RequestImages`) go as each server's source defines:
+llama.cpp takes a prompt *string* with its media marker where each image stands and the
+images base64-encoded (it cannot mix token ids and images, so the text around the images is
+decoded and re-tokenized by the server); SGLang takes ``input_ids`` with one
+``<|image_pad|>`` per image and ``image_data``, and expands each pad itself; vLLM's
+``/v1/completions`` takes no images (see :class:`VllmDialect`). The server's count of
+prompt tokens (``Reply.prompt_tokens``) is then checked against the row's.
+
 Shapes of the answers were read from each server's source (llama.cpp: the version
 ``scripts/build_llama_server.sh`` builds; vLLM's ``CompletionResponse``; SGLang's
 ``/generate`` output); ``tests/unit/models/generation/test_server_dialects.py`` holds
@@ -24,11 +32,14 @@ recorded examples.
 
 from __future__ import annotations
 
+import base64
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from envloop.models.generation.server_config import Dialect
+from envloop.models.generation.server_media import RequestImages
 
 Finish = Literal["eos", "stop", "length"]
 """Why a reply ended: an EOS or stop token, a stop string, or the token budget."""
@@ -50,12 +61,23 @@ class Sampling:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """One row to generate for: its prompt token ids, token budget, stop strings and seed."""
+    """One row to generate for: its prompt token ids, token budget, stop strings, seed and
+    images (None for a text-only row)."""
 
     prompt: list[int]
     budget: int
     stops: list[str] | None
     seed: int | None
+    images: RequestImages | None = None
+
+
+@dataclass(frozen=True)
+class ServerMedia:
+    """What a server said at start-up about image input: whether it takes images, and the
+    marker that stands for one in a llama.cpp prompt string."""
+
+    vision: bool
+    marker: str | None = None
 
 
 @dataclass
@@ -63,11 +85,13 @@ class Reply:
     """What a server generated for one request.
 
     ``logprobs[i]`` is None where the server reported no probability for ``tokens[i]``
-    (llama.cpp, see :meth:`LlamaCppDialect.parse`)."""
+    (llama.cpp, see :meth:`LlamaCppDialect.parse`). ``prompt_tokens`` is the server's
+    count of the prompt's tokens, images expanded (None where it gives none)."""
 
     tokens: list[int]
     logprobs: list[float | None]
     finish: Finish
+    prompt_tokens: int | None = None
 
 
 class ServerDialect:
@@ -75,11 +99,16 @@ class ServerDialect:
 
     name: Dialect
     path: str
+    images_refused: str | None = None
+    """Why this dialect cannot send images (None: it can)."""
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
 
-    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+    def body(
+        self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
+    ) -> dict[str, Any]:
+        """The request body; ``media`` is what the chosen server said about images."""
         raise NotImplementedError
 
     def parse(self, payload: Any) -> Reply:
@@ -105,12 +134,24 @@ class VllmDialect(ServerDialect):
     ...     "token_logprobs": [-0.5, -1.0]}}]})
     >>> reply.tokens, reply.logprobs, reply.finish
     ([5, 9], [-0.5, -1.0], 'stop')
+
+    Images: ``/v1/completions`` has no multimodal input. vLLM's token-in endpoint
+    ``/inference/v1/generate`` takes ``token_ids`` with ``features`` (each image's hash,
+    placeholder offset and length, and its processed tensors serialized by vLLM's own
+    ``mm_serde``), which only its ``/v1/chat/completions/render`` produces; not done yet.
     """
 
     name = "vllm"
     path = "/v1/completions"
+    images_refused = (
+        "vLLM's /v1/completions takes no images with a token-id prompt (its "
+        "/inference/v1/generate needs features rendered by /v1/chat/completions/render, "
+        "which envloop does not do yet); serve the model with llama.cpp (--mmproj) or SGLang"
+    )
 
-    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+    def body(
+        self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": request.prompt,
             "max_tokens": request.budget,
@@ -145,7 +186,12 @@ class VllmDialect(ServerDialect):
         ended: Finish = "length" if finish == "length" else "eos"
         if finish == "stop" and isinstance(choice.get("stop_reason"), str):
             ended = "stop"
-        return _reply(tokens, values, ended)
+        reply = _reply(tokens, values, ended)
+        usage = payload.get("usage")
+        reply.prompt_tokens = (
+            _count(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
+        )
+        return reply
 
 
 class SglangDialect(ServerDialect):
@@ -156,12 +202,19 @@ class SglangDialect(ServerDialect):
     ...     [-0.2, 2, None]]}})
     >>> reply.tokens, reply.logprobs, reply.finish
     ([7, 2], [-0.1, -0.2], 'eos')
+
+    Images go as ``image_data`` (PNG data URIs) with ``input_ids`` holding each image as
+    ``vision_start pad vision_end``: SGLang's multimodal processor expands each pad to the
+    image's token count, keeping the other ids as sent when the server runs with
+    ``SGLANG_MM_AVOID_RETOKENIZE=1`` (else it decodes and re-tokenizes them).
     """
 
     name = "sglang"
     path = "/generate"
 
-    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+    def body(
+        self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
+    ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_new_tokens": request.budget,
             **_openai_sampling(sampling, top_k_off=-1),
@@ -171,7 +224,7 @@ class SglangDialect(ServerDialect):
         }
         if request.seed is not None:
             params["sampling_seed"] = request.seed
-        return {
+        body: dict[str, Any] = {
             "input_ids": request.prompt,
             "sampling_params": params,
             "return_logprob": True,
@@ -179,6 +232,10 @@ class SglangDialect(ServerDialect):
             "top_logprobs_num": 0,
             "stream": False,
         }
+        if request.images is not None:
+            body["input_ids"] = _collapsed(request.prompt, request.images)
+            body["image_data"] = [_data_uri(png) for png in request.images.png]
+        return body
 
     def parse(self, payload: Any) -> Reply:
         meta = _field(payload, "meta_info", dict)
@@ -198,7 +255,9 @@ class SglangDialect(ServerDialect):
         ended: Finish = "length" if kind == "length" else "eos"
         if kind == "stop" and isinstance(reason.get("matched"), str):
             ended = "stop"
-        return _reply(tokens, [e[0] for e in entries], ended)
+        reply = _reply(tokens, [e[0] for e in entries], ended)
+        reply.prompt_tokens = _count(meta.get("prompt_tokens"))
+        return reply
 
 
 class LlamaCppDialect(ServerDialect):
@@ -216,14 +275,25 @@ class LlamaCppDialect(ServerDialect):
     ...     "completion_probabilities": [{"id": 4, "prob": 0.5}, {"id": 5, "prob": 1.0}]})
     >>> reply.tokens, reply.logprobs, reply.finish
     ([4, 5, 6], [-0.6931471805599453, 0.0, None], 'stop')
+
+    A prompt with images goes as ``{"prompt_string", "multimodal_data"}``: the server takes
+    no token ids beside images, so the text between images is decoded (``decode``, set by
+    the backend) and the server's media marker (from ``GET /props``, random per server
+    process) stands for each ``vision_start .. vision_end`` span; the server tokenizes the
+    text again and puts ``vision_start``, the image's embeddings and ``vision_end`` at each
+    marker.
     """
 
     name = "llamacpp"
     path = "/completion"
+    media_path = "/props"
+    decode: Callable[[list[int]], str] | None = None
 
-    def body(self, request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+    def body(
+        self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
+    ) -> dict[str, Any]:
         body = {
-            "prompt": request.prompt,
+            "prompt": self._prompt(request, [], media),
             "n_predict": request.budget,
             **self._sampling(sampling),
             "stop": request.stops or [],
@@ -237,7 +307,7 @@ class LlamaCppDialect(ServerDialect):
 
     def score_body(
         self, request: GenerationRequest, prefix: list[int], sampling: Sampling, n_probs: int,
-        attempt: int,
+        attempt: int, media: ServerMedia | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """A one-token request after ``prompt + prefix`` whose answer lists the probability
         of up to ``n_probs`` candidates for that position, under the distribution the
@@ -248,7 +318,7 @@ class LlamaCppDialect(ServerDialect):
         if sampling.greedy:  # raw probabilities do not depend on the sampler; sample at T=1
             scoring = Sampling(1.0, 1.0, None, greedy=False)
         body = {
-            "prompt": request.prompt + prefix,
+            "prompt": self._prompt(request, prefix, media),
             "n_predict": 1,
             **self._sampling(scoring),
             "post_sampling_probs": not sampling.greedy,
@@ -287,7 +357,36 @@ class LlamaCppDialect(ServerDialect):
         finish = _LLAMA_FINISH.get(stop_type)
         if finish is None:
             raise MalformedReply(f"stop_type {stop_type!r}; expected eos, word or limit")
-        return Reply(list(tokens), logprobs, finish)
+        return Reply(list(tokens), logprobs, finish, _count(payload.get("tokens_evaluated")))
+
+    @staticmethod
+    def parse_media(payload: Any) -> ServerMedia:
+        """What ``GET /props`` says about images: ``modalities.vision`` and ``media_marker``."""
+        modalities = payload.get("modalities") if isinstance(payload, dict) else None
+        vision = isinstance(modalities, dict) and modalities.get("vision") is True
+        marker = payload.get("media_marker") if isinstance(payload, dict) else None
+        if vision and not (isinstance(marker, str) and marker):
+            raise MalformedReply("/props lists vision but no media_marker")
+        return ServerMedia(vision, marker if vision else None)
+
+    def _prompt(
+        self, request: GenerationRequest, prefix: list[int], media: ServerMedia | None
+    ) -> list[int] | dict[str, Any]:
+        """Token ids, or for a row with images the prompt string with a marker per image."""
+        images = request.images
+        if images is None:
+            return request.prompt + prefix
+        if media is None or media.marker is None or self.decode is None:
+            raise ValueError("a llama.cpp prompt with images needs the server's media marker")
+        texts, last = [], 0
+        for start, end in images.spans:
+            texts.append(self.decode(request.prompt[last:start]))
+            last = end
+        texts.append(self.decode(request.prompt[last:] + prefix))
+        return {
+            "prompt_string": media.marker.join(texts),
+            "multimodal_data": [base64.b64encode(png).decode("ascii") for png in images.png],
+        }
 
     @staticmethod
     def _sampling(sampling: Sampling) -> dict[str, Any]:
@@ -339,6 +438,27 @@ def _openai_sampling(sampling: Sampling, top_k_off: int) -> dict[str, Any]:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k is not None else top_k_off,
     }
+
+
+def _collapsed(prompt: list[int], images: RequestImages) -> list[int]:
+    """``prompt`` with each image span cut to its first, one pad, and last id.
+
+    >>> _collapsed([7, 1, 2, 2, 3, 8], RequestImages((b"",), ((1, 5),)))
+    [7, 1, 2, 3, 8]
+    """
+    ids, last = [], 0
+    for start, end in images.spans:
+        ids += [*prompt[last:start], prompt[start], prompt[start + 1], prompt[end - 1]]
+        last = end
+    return ids + prompt[last:]
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _reply(tokens: Any, logprobs: list[Any], finish: Finish) -> Reply:

@@ -8,6 +8,9 @@ construction every server answers a probe request, and one whose answer carries 
 ids stops start-up with an error. Requests run on a private event loop in a background
 thread (:mod:`server_client`), reached from ``generate`` (blocking) and ``generate_async``
 (from any event loop) alike; :mod:`server_routing` picks each request's server.
+
+Rows with images (a vision-language model's prompts, with the row's PIL images in the
+``images`` column) go as each dialect's multimodal input (:mod:`server_media`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any, TypeVar
 
+from envloop.data.multimodal_utils import PackedTensor
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.decode_loop import SampleResult
@@ -42,10 +46,12 @@ from envloop.models.generation.server_client import (
 from envloop.models.generation.server_config import ServerGenerationConfig
 from envloop.models.generation.server_dialects import (
     GenerationRequest,
+    LlamaCppDialect,
     MalformedReply,
     Sampling,
     make_dialect,
 )
+from envloop.models.generation.server_media import VisionTokens, request_images
 
 __all__ = ["ServerGeneration", "ServerGenerationConfig"]
 
@@ -73,10 +79,18 @@ class ServerGeneration(GenerationInterface):
     among this instance's requests, so a fresh instance repeats a sequence of calls as far
     as the server's sampling is deterministic.
 
+    Images: a batch may carry an ``images`` column, one entry per row (None, or the row's
+    PIL images in the order of its image placeholder spans), beside its vision columns
+    (``image_grid_thw`` gives the size each image was processed at). Each image goes to
+    the server at that size (:mod:`server_media`); a row whose images the server counts as
+    a different number of prompt tokens fails with the reason. Image rows for a dialect or
+    server that takes no images raise ``ValueError`` before anything is sent.
+
     Attributes:
         config: the validated :class:`ServerGenerationConfig`.
         tokenizer: the served model's tokenizer (the rollout engine tokenizes with it).
         model: the served model's name (vLLM's, as given or as its server lists it).
+        vision: the served model's image token ids (None for a text-only model).
     """
 
     def __init__(self, config: ServerGenerationConfig | Mapping[str, Any]) -> None:
@@ -86,12 +100,15 @@ class ServerGeneration(GenerationInterface):
             config = ServerGenerationConfig.from_mapping(config)
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer))
+        self.vision = _vision_tokens(config.tokenizer)
         self.pad_id = _pad_id(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self._requests_made = 0
         self._loop = _LoopThread()
         self.model = config.model
         self._client = ServerClient(config, make_dialect(config.dialect), self.vocab_size)
+        if isinstance(self._client.dialect, LlamaCppDialect):
+            self._client.dialect.decode = self._decode
         try:
             self._loop.run(self._client.open())
             self._loop.run(self._start())
@@ -144,6 +161,7 @@ class ServerGeneration(GenerationInterface):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
     ) -> tuple[BatchedDataDict[GenerationDatumSpec], list[Coroutine[Any, Any, SampleResult]]]:
         check_generation_input(data, self.vocab_size)
+        images = self._row_images(data)
         batch = generation_columns(data)
         budgets = sample_budgets(batch, self.config.max_new_tokens)
         stops = batch.get("stop_strings") or [None] * len(budgets)
@@ -152,12 +170,66 @@ class ServerGeneration(GenerationInterface):
             self.config.temperature, self.config.top_p, self.config.top_k, greedy=greedy
         )
         calls = []
-        for ids, length, budget, stop, key in zip(
-            batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops, keys
+        for row, (ids, length, budget, stop, key) in enumerate(
+            zip(batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops, keys)
         ):
-            request = GenerationRequest(ids[:length].tolist(), budget, stop, self._next_seed())
+            prompt = ids[:length].tolist()
+            media = images(row, prompt) if images is not None else None
+            request = GenerationRequest(prompt, budget, stop, self._next_seed(), media)
             calls.append(self._client.generate(request, sampling, key))
         return batch, calls
+
+    def _row_images(self, data: BatchedDataDict[GenerationDatumSpec]) -> Any:
+        """A function of (row, prompt) giving the row's request images, or None when the
+        batch has no images; raises ``ValueError`` when these servers cannot take them."""
+        column = data.get("images")
+        if column is None or not any(column):
+            return None
+        if not isinstance(column, list) or len(column) != len(data["input_ids"]):
+            raise ValueError(
+                f"images: expected a list of {len(data['input_ids'])} entries, one per row "
+                "(None or the row's PIL images)"
+            )
+        self._check_takes_images()
+        grids = data.get("image_grid_thw")
+        vision = self.vision
+        assert vision is not None
+
+        def row_images(row: int, prompt: list[int]) -> Any:
+            if not column[row]:
+                return None
+            grid = grids[row] if isinstance(grids, PackedTensor) else None
+            return request_images(row, prompt, column[row], grid, vision)
+
+        return row_images
+
+    def _check_takes_images(self) -> None:
+        config, dialect = self.config, self._client.dialect
+        if self.vision is None:
+            raise ValueError(
+                f"The batch has images but the tokenizer {config.tokenizer!r} belongs to no "
+                "vision-language model (its config has no vision part and image token ids); "
+                "set tokenizer to the served VLM's folder or hub id."
+            )
+        if dialect.images_refused is not None:
+            raise ValueError(
+                f"The batch has images but dialect {config.dialect!r} cannot send them: "
+                f"{dialect.images_refused}."
+            )
+        for server in self._client.router.servers:
+            if server.media is not None and not server.media.vision:
+                raise ValueError(
+                    f"The batch has images but {server.url} serves no vision projector; start "
+                    "llama-server with --mmproj <the model's mmproj GGUF> (scripts/"
+                    "convert_to_gguf.py --mmproj writes one)."
+                )
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(
+            self.tokenizer.decode(
+                ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
 
     def _next_seed(self) -> int | None:
         self._requests_made += 1
@@ -192,6 +264,8 @@ class ServerGeneration(GenerationInterface):
                     self.model = _first_model(listing, server.url)
                     self._client.dialect.model = self.model
                 reply = await self._client.probe(server, token_id)
+                if self.vision is not None:
+                    await self._client.probe_media(server)
                 break
             except RetryableFailure as exc:  # still starting: refused, 503 while loading
                 last = str(exc)
@@ -255,6 +329,18 @@ def _pad_id(tokenizer: Any) -> int:
 def _probe_token(tokenizer: Any) -> int:
     ids = tokenizer("Hello", add_special_tokens=False).input_ids
     return int(ids[0]) if ids else 0
+
+
+def _vision_tokens(tokenizer: str) -> VisionTokens | None:
+    """The image token ids of the model whose tokenizer is ``tokenizer`` (None when its
+    config cannot be read or has no vision part)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(tokenizer))
+    except (OSError, ValueError):
+        return None
+    return VisionTokens.from_config(config)
 
 
 def _first_model(listing: Any, url: str) -> str:

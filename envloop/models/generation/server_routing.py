@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 MAX_STICKY_SAMPLES = 1 << 16
 """Samples whose server is remembered (the least recently used are forgotten first)."""
@@ -22,12 +23,14 @@ MAX_SET_ASIDE_S = 60.0
 
 @dataclass(eq=False)
 class ServerSlot:
-    """One server and what the router knows of it."""
+    """One server and what the router knows of it (``media``: what it said about image
+    input at start-up, None when not asked)."""
 
     url: str
     outstanding: int = 0
     failures: int = 0  # consecutive
     down_until: float = 0.0
+    media: Any = None
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now

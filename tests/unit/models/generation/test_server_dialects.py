@@ -106,25 +106,27 @@ VLLM_LENGTH = vllm_answer(
 
 def test_vllm_eos_finish():
     reply = VllmDialect(MODEL).parse(VLLM_EOS)
-    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos")
+    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos", 5)
 
 
 def test_vllm_stop_token_finish_is_eos():
     """An extra EOS of the model's generation config ends with its id as stop_reason."""
     payload = vllm_answer([12095, 13, ENDOFTEXT], [-0.01, -0.4, -0.02], stop_reason=ENDOFTEXT)
     assert VllmDialect(MODEL).parse(payload) == Reply(
-        [12095, 13, ENDOFTEXT], [-0.01, -0.4, -0.02], "eos"
+        [12095, 13, ENDOFTEXT], [-0.01, -0.4, -0.02], "eos", 5
     )
 
 
 def test_vllm_stop_string_finish():
     reply = VllmDialect(MODEL).parse(VLLM_STOP_STRING)
-    assert reply == Reply([12095, 13, 522, 64, 29], [-0.0123, -0.4051, -1.25, -0.5, -0.003], "stop")
+    assert reply == Reply(
+        [12095, 13, 522, 64, 29], [-0.0123, -0.4051, -1.25, -0.5, -0.003], "stop", 5
+    )
 
 
 def test_vllm_length_finish():
     reply = VllmDialect(MODEL).parse(VLLM_LENGTH)
-    assert reply == Reply([12095, 13, 576, 6722], [-0.0123, -0.4051, -2.5, -0.75], "length")
+    assert reply == Reply([12095, 13, 576, 6722], [-0.0123, -0.4051, -2.5, -0.75], "length", 5)
 
 
 @pytest.mark.parametrize("token_ids", ["absent", None], ids=["absent", "null"])
@@ -133,7 +135,7 @@ def test_older_vllm_gives_ids_in_the_token_placeholders(token_ids):
     if token_ids is None:
         payload["choices"][0]["token_ids"] = None
     reply = VllmDialect(MODEL).parse(payload)
-    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos")
+    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos", 5)
 
 
 def test_vllm_token_ids_disagreeing_with_the_placeholders_are_malformed():
@@ -270,7 +272,7 @@ SGLANG_EOS = sglang_answer(
 
 def test_sglang_eos_finish():
     reply = SglangDialect().parse(SGLANG_EOS)
-    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos")
+    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos", 5)
 
 
 def test_sglang_stop_string_finish():
@@ -279,7 +281,9 @@ def test_sglang_stop_string_finish():
         {"type": "stop", "matched": "</a>"}, text=" Paris.</a>",
     )  # fmt: skip
     reply = SglangDialect().parse(payload)
-    assert reply == Reply([12095, 13, 522, 64, 29], [-0.0123, -0.4051, -1.25, -0.5, -0.003], "stop")
+    assert reply == Reply(
+        [12095, 13, 522, 64, 29], [-0.0123, -0.4051, -1.25, -0.5, -0.003], "stop", 5
+    )
 
 
 def test_sglang_length_finish():
@@ -288,7 +292,7 @@ def test_sglang_length_finish():
         text=" Paris. The",
     )  # fmt: skip
     assert SglangDialect().parse(payload) == Reply(
-        [12095, 13, 576], [-0.0123, -0.4051, -2.5], "length"
+        [12095, 13, 576], [-0.0123, -0.4051, -2.5], "length", 5
     )
 
 
@@ -306,7 +310,7 @@ def test_older_sglang_gives_ids_in_the_logprob_entries():
     payload = copy.deepcopy(SGLANG_EOS)
     del payload["output_ids"]
     reply = SglangDialect().parse(payload)
-    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos")
+    assert reply == Reply([12095, 13, IM_END], [-0.0123, -0.4051, -0.0002], "eos", 5)
 
 
 def test_sglang_output_ids_disagreeing_with_the_logprob_entries_are_malformed():
@@ -472,19 +476,19 @@ LLAMA_GREEDY_STOP_WORD = llama_answer(
 
 def test_llamacpp_sampled_eos_reads_post_sampling_probabilities():
     reply = LlamaCppDialect().parse(LLAMA_SAMPLED_EOS)
-    assert reply == Reply([19, 95, 2], [0.0, math.log(0.8463863730430603), 0.0], "eos")
+    assert reply == Reply([19, 95, 2], [0.0, math.log(0.8463863730430603), 0.0], "eos", 4)
 
 
 def test_llamacpp_greedy_length_reads_logprobs():
     """``post_sampling_probs: false`` (greedy) entries carry ``logprob``, not ``prob``."""
     reply = LlamaCppDialect().parse(LLAMA_GREEDY_LIMIT)
     expected = [-0.031073540449142456, -0.12080225348472595, -0.033574096858501434]
-    assert reply == Reply([373, 291, 322], expected, "length")
+    assert reply == Reply([373, 291, 322], expected, "length", 4)
 
 
 def test_llamacpp_stop_word_that_took_every_entry_leaves_every_position_open():
     reply = LlamaCppDialect().parse(LLAMA_GREEDY_STOP_WORD)
-    assert reply == Reply([373, 291, 322], [None, None, None], "stop")
+    assert reply == Reply([373, 291, 322], [None, None, None], "stop", 4)
 
 
 def test_llamacpp_gaps_mid_character_and_after_a_stop_word_are_none_exactly_there():
@@ -495,7 +499,7 @@ def test_llamacpp_gaps_mid_character_and_after_a_stop_word_are_none_exactly_ther
     entries = [entry(3349, " costs", 0.5), entry(26022, "€", 0.25), entry(13, ".", 0.125)]
     payload = llama_answer(tokens, entries, "word", " costs €.", stopping_word="</a>")
     logprobs = [math.log(0.5), None, math.log(0.25), math.log(0.125), None, None, None]
-    assert LlamaCppDialect().parse(payload) == Reply(tokens, logprobs, "stop")
+    assert LlamaCppDialect().parse(payload) == Reply(tokens, logprobs, "stop", 4)
     assert entries[1]["bytes"] == [0xE2, 0x82, 0xAC]
 
 
