@@ -143,7 +143,8 @@ def processor(folder):
 
 
 def test_greedy_tokens_equal_hf_generation_with_the_images(policy, processor, model, folder):
-    data = image_batch(processor, ROW_IMAGES)
+    assert type(policy.processor) is type(processor)  # the engine tokenizes with it
+    data = image_batch(policy.processor, ROW_IMAGES)
     out = policy.generate(data, greedy=True)
     hf = HfGeneration({"model_name": str(folder), "max_new_tokens": MAX_NEW_TOKENS})
     expected = hf.generate(data, greedy=True)

@@ -91,6 +91,8 @@ class ServerGeneration(GenerationInterface):
         tokenizer: the served model's tokenizer (the rollout engine tokenizes with it).
         model: the served model's name (vLLM's, as given or as its server lists it).
         vision: the served model's image token ids (None for a text-only model).
+        processor: the served vision-language model's processor (the rollout engine
+            tokenizes image prompts with it), None for a text-only model.
     """
 
     def __init__(self, config: ServerGenerationConfig | Mapping[str, Any]) -> None:
@@ -101,6 +103,11 @@ class ServerGeneration(GenerationInterface):
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.tokenizer))
         self.vision = _vision_tokens(config.tokenizer)
+        self.processor = None
+        if self.vision is not None:
+            from envloop.models.processors import load_processor
+
+            self.processor = load_processor(resolve_model(config.tokenizer))
         self.pad_id = _pad_id(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self._requests_made = 0
