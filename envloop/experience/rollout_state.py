@@ -238,7 +238,7 @@ def append_observations(
         message = {"role": obs["role"], "content": obs["content"], "token_ids": token_ids}
         message.update(vision)
         state.message_logs[i].append(message)
-        state.vision.add(i, vision)
+        state.vision.add(i, message)
     count_tensor = torch.tensor(counts, dtype=torch.long)
     state.tokens.append_ragged(rows, flat, count_tensor)
     state.env_tokens.index_add_(0, rows, count_tensor)

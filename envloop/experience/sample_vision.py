@@ -4,7 +4,10 @@ A sample's images come from its prompt messages and from observations that hold 
 each message carries its own as one-item ``PackedTensor`` values (see
 ``envloop.data.multimodal_utils``). The policy needs, per sample, all of them in message
 order, so they are kept concatenated per key and handed over as one ``PackedTensor``
-column per key, one item per active sample (None for a sample without images).
+column per key, one item per active sample (None for a sample without images). The images
+themselves go along too, as the ``images`` column (a list of RGB PIL images per sample, in
+message order; None for a sample without), for backends that send images rather than
+pixel values (inference servers).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 
-from envloop.data.multimodal_utils import PackedTensor
+from envloop.data.multimodal_utils import PackedTensor, content_images
 
 
 class SampleVision:
@@ -22,6 +25,7 @@ class SampleVision:
 
     def __init__(self, size: int) -> None:
         self.inputs: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+        self.images: list[list[Any]] = [[] for _ in range(size)]
 
     @classmethod
     def from_logs(cls, logs: Sequence[Sequence[Mapping[str, Any]]]) -> SampleVision:
@@ -36,8 +40,12 @@ class SampleVision:
         return any(self.inputs)
 
     def add(self, sample: int, message: Mapping[str, Any]) -> None:
-        """Append the ``PackedTensor`` values of ``message`` to ``sample``'s inputs."""
+        """Append the ``PackedTensor`` values of ``message`` to ``sample``'s inputs, and
+        its images to the sample's images (a message without vision inputs adds none)."""
         own = self.inputs[sample]
+        if any(isinstance(v, PackedTensor) for v in message.values()):
+            where = f"sample {sample}, {message.get('role')} message"
+            self.images[sample].extend(content_images(message.get("content"), where))
         for key, value in message.items():
             if not isinstance(value, PackedTensor):
                 continue
@@ -46,7 +54,13 @@ class SampleVision:
                 continue
             own[key] = tensor if key not in own else torch.cat([own[key], tensor])
 
-    def columns(self, samples: Sequence[int]) -> dict[str, PackedTensor]:
-        """One ``PackedTensor`` per key any of ``samples`` has, one item per sample."""
+    def columns(self, samples: Sequence[int]) -> dict[str, Any]:
+        """One ``PackedTensor`` per key any of ``samples`` has, one item per sample, and
+        the ``images`` column (none of either when no sample has images)."""
         keys = dict.fromkeys(k for i in samples for k in self.inputs[i])
-        return {k: PackedTensor([self.inputs[i].get(k) for i in samples], 0) for k in keys}
+        columns: dict[str, Any] = {
+            k: PackedTensor([self.inputs[i].get(k) for i in samples], 0) for k in keys
+        }
+        if columns:
+            columns["images"] = [self.images[i] or None for i in samples]
+        return columns

@@ -96,7 +96,8 @@ def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
     ``images_column`` holds images (as HfGeneration loads it: the model must be a
     vision-language one, the processor comes from ``policy.tokenizer_name``). Raises
     :class:`ConfigError` naming ``data.columns.images`` and the policy key when the policy
-    cannot take images: a text-only model, no processor, or the server backend."""
+    cannot take images: a text-only model, no processor, or a server dialect that takes
+    none (vLLM). For ``backend: server`` the model is the one ``policy.tokenizer`` names."""
     from envloop.data.multimodal_utils import is_processor
     from envloop.models.bundled import resolve_model
     from envloop.models.generation.hf_models import is_vision_language
@@ -105,13 +106,20 @@ def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
     images = f"data.columns.images: column {images_column!r} holds images"
     fix = "or set data.columns.images: null for text-only prompts"
     if isinstance(policy, ServerPolicyConfig):
-        raise ConfigError(
-            "run config",
-            [f"{images}, but policy.backend: server sends no images to its servers yet; "
-             f"use policy.backend: hf with a vision-language model, {fix}"],
-        )  # fmt: skip
+        from envloop.models.generation.server_dialects import DIALECTS
+
+        refused = DIALECTS[policy.dialect].images_refused
+        if refused:
+            raise ConfigError(
+                "run config",
+                [f"{images}, but policy.dialect {policy.dialect!r} cannot send them: {refused}; "
+                 f"{fix}"],
+            )  # fmt: skip
+        model_key, model_name = "policy.tokenizer", policy.tokenizer
+    else:
+        model_key, model_name = "policy.model_name", policy.model_name
     try:
-        vision_language = is_vision_language(policy.model_name)
+        vision_language = is_vision_language(model_name)
     except (OSError, ValueError) as exc:
         vision_language, why = False, _one_line(str(exc))
     else:
@@ -119,7 +127,7 @@ def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
     if not vision_language:
         raise ConfigError(
             "run config",
-            [f"{images}, but policy.model_name {policy.model_name!r} is not a vision-language "
+            [f"{images}, but {model_key} {model_name!r} is not a vision-language "
              f"model ({why}); name one (e.g. Qwen/Qwen2.5-VL-3B-Instruct), {fix}"],
         )  # fmt: skip
     key, name = _tokenizer_key(policy)

@@ -224,3 +224,50 @@ def test_a_server_without_a_vision_projector_is_refused_before_sending(ggufs, fo
     finally:
         backend.shutdown()
         running.stop()
+
+
+@pytest.mark.ray
+def test_a_multi_turn_rollout_with_pictures_equals_hf_generation(ray_session, server, folder):
+    """The engine hands the server each sample's images (prompt and observations) with
+    every turn: greedy trajectories equal HfGeneration's, token for token. (llama.cpp
+    re-tokenizes an image prompt's text with the GGUF's Qwen2 pre-tokenizer, which splits
+    digits where the tiny tokenizer's byte-level one does not, so the observations here
+    hold no digits; a row whose text comes back as other tokens fails with the count
+    check's message, as the test above shows.)"""
+    from envloop.environments.registry import create_env, register_env
+    from envloop.experience.rollouts import run_multi_turn_rollout
+
+    register_env("test_picture_board", "tests.fixtures.vlm_envs:PictureBoardEnv", overwrite=True)
+    env = create_env("test_picture_board", num_cpus=0)
+    remote = server_policy(server.url, folder)
+    local = HfGeneration({"model_name": str(folder), "max_new_tokens": MAX_NEW_TOKENS})
+    logs = []
+    for backend in (remote, local):
+        processor = backend.processor
+        prompts = [
+            get_formatted_message_log(
+                [{"role": "user", "content": [{"type": "image", "image": images[0]},
+                                              {"type": "text", "text": "What now?"}]}],
+                processor, add_generation_prompt=True,
+            )
+            for images in (ROW_IMAGES[0], ROW_IMAGES[2])
+        ]  # fmt: skip
+        batch = BatchedDataDict(
+            message_log=prompts,
+            extra_env_info=[
+                {"turns": 3, "size": 28, "text": "And now?"},
+                {"turns": 2, "size": 56, "text": "And now?"},
+            ],
+            loss_multiplier=[1.0, 1.0],
+            idx=[0, 1],
+            task_name=["board", "board"],
+        )
+        final, _ = run_multi_turn_rollout(
+            backend, batch, processor, {"board": env}, max_seq_len=300, max_rollout_turns=3,
+            greedy=True, observation_format="chat_template",
+        )  # fmt: skip
+        assert final["generation_error"] == [None, None]
+        assert final["num_turns"].tolist() == [3, 2]
+        logs.append([[m["token_ids"].tolist() for m in log] for log in final["message_log"]])
+    remote.shutdown()
+    assert logs[0] == logs[1]

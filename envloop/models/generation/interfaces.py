@@ -26,6 +26,13 @@ class GenerationDatumSpec(TypedDict):
             every turn of a sample (the rollout engine passes them): a backend with several
             servers sends all of a sample's turns to one server, whose prefix cache holds
             the earlier turns. Backends without servers ignore them.
+        <vision inputs>: for a vision-language policy, one column per vision input of its
+            processor (e.g. ``pixel_values``, ``image_grid_thw``), each a ``PackedTensor``
+            with one item per row (its images' inputs in message order; None for a row
+            without images). ``HfGeneration`` feeds them to the model.
+        images: optional length-B list, each row's images (RGB PIL images, in the order of
+            its image placeholder runs) or None; ``ServerGeneration`` sends these to its
+            servers. The rollout engines pass both with every row that has images.
     """
 
     input_ids: torch.Tensor
@@ -33,6 +40,7 @@ class GenerationDatumSpec(TypedDict):
     stop_strings: NotRequired[list[list[str] | None]]
     max_new_tokens: NotRequired[torch.Tensor]
     sample_ids: NotRequired[list[Any]]
+    images: NotRequired[list[list[Any] | None]]
 
 
 class GenerationOutputSpec(TypedDict):

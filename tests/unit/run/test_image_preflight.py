@@ -128,9 +128,16 @@ def test_a_text_only_policy_is_named_with_the_image_column(tiny_policy_dir, vlm_
     )
     server = {"backend": "server", "base_urls": ["http://127.0.0.1:1"], "tokenizer": "t"}
     assert problems_of(run_config(image_data, server)) == [
-        f"{IMAGES}, but policy.backend: server sends no images to its servers yet; use "
-        f"policy.backend: hf with a vision-language model, {FIX}"
+        f"{IMAGES}, but policy.dialect 'vllm' cannot send them: vLLM's /v1/completions takes "
+        "no images with a token-id prompt (its /inference/v1/generate needs features rendered "
+        "by /v1/chat/completions/render, which envloop does not do yet); serve the model with "
+        f"llama.cpp (--mmproj) or SGLang; {FIX}"
     ]
+    llamacpp = {**server, "dialect": "llamacpp", "tokenizer": str(tiny_policy_dir)}
+    [problem] = problems_of(run_config(image_data, llamacpp))
+    assert problem.startswith(
+        f"{IMAGES}, but policy.tokenizer '{tiny_policy_dir}' is not a vision-language model"
+    )
 
 
 def test_bad_images_are_all_named_before_anything_loads_the_model(vlm_dir, image_data):
