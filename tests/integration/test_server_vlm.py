@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -33,6 +32,7 @@ from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.generation.server_generation import ServerGeneration
 from envloop.models.processors import load_processor
 from envloop.models.tiny_vlm import save_tiny_vlm
+from tests.fixtures.images import noise_image
 from tests.fixtures.llama_server import LlamaServer, converted_gguf
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -81,11 +81,6 @@ def policy(server, folder):
 @pytest.fixture(scope="module")
 def model(folder):
     return AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def noise_image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 ROW_IMAGES = [

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from envloop.data.llm_message_utils import get_formatted_message_log
@@ -17,6 +15,7 @@ from envloop.environments.registry import create_env, register_env
 from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.tiny_vlm import save_tiny_vlm
+from tests.fixtures.images import noise_image
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -41,11 +40,6 @@ def policy(vlm_dir):
             "micro_batch_size": 2,  # the third sample joins a running batch
         }
     )
-
-
-def noise_image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def picture_batch(processor, metadata: list[dict]) -> BatchedDataDict:

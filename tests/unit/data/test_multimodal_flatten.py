@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,6 +20,9 @@ from envloop.data.llm_message_utils import (
 from envloop.data.multimodal_utils import PackedTensor
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.tiny_vlm import build_tiny_vlm_processor
+from tests.fixtures.images import image_part as _image_part
+from tests.fixtures.images import noise_image
+from tests.fixtures.images import text_part as _text
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 
@@ -31,17 +33,7 @@ def processor():
 
 
 def _image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
-    """Random RGB noise, so two different images never give equal pixel values."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def _image_part(image: Image.Image) -> dict:
-    return {"type": "image", "image": image}
-
-
-def _text(text: str) -> dict:
-    return {"type": "text", "text": text}
+    return noise_image(seed, height, width)
 
 
 def _conversation(images: list[list[Image.Image]], tag: str) -> list[dict]:

@@ -18,6 +18,9 @@ from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.data.multimodal_utils import PackedTensor
 from envloop.models.processors import load_processor, torchvision_available
 from envloop.models.tiny_vlm import build_tiny_vlm_processor, tiny_vlm_config
+from tests.fixtures.images import image_part as _img
+from tests.fixtures.images import noise_image
+from tests.fixtures.images import text_part as _text
 
 VISION_KEYS = ("pixel_values", "image_grid_thw")
 MERGE = 2  # Qwen2.5-VL merges 2x2 patches into one image token
@@ -29,17 +32,7 @@ def processor():
 
 
 def _image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
-    """Random RGB noise, so two different images never give equal pixel values."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def _img(image) -> dict:
-    return {"type": "image", "image": image}
-
-
-def _text(text: str) -> dict:
-    return {"type": "text", "text": text}
+    return noise_image(seed, height, width)
 
 
 CONVERSATIONS = {

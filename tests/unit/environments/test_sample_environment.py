@@ -298,9 +298,10 @@ def test_sample_step_reports_every_problem_at_once():
         SampleStep({"role": "user"}, terminated="yes", next_stop_strings=[""], answer=3)
     assert str(info.value) == (
         "invalid SampleStep: observation must be a str or {'role': str, 'content': str or a "
-        "list of text/image parts}, got {'role': 'user'}; give exactly one of reward and reward_components; terminated must "
-        "be a bool, got str ('yes'); use bool(...); next_stop_strings must be None or a list "
-        "of non-empty str, got ['']; answer must be a str or None, got int"
+        "list of text/image parts}, got {'role': 'user'}; give exactly one of reward and "
+        "reward_components; terminated must be a bool, got str ('yes'); use bool(...); "
+        "next_stop_strings must be None or a list of non-empty str, got ['']; answer must be "
+        "a str or None, got int"
     )
     with pytest.raises(ValueError, match="give exactly one of reward and reward_components"):
         SampleStep("x", 1.0, reward_components={"a": 1.0})

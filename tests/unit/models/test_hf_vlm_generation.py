@@ -3,10 +3,8 @@ each reported logprob is that of a teacher-forced pass with the same images."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from envloop.data.llm_message_utils import (
     batched_message_log_to_flat_message,
@@ -15,6 +13,7 @@ from envloop.data.llm_message_utils import (
 from envloop.data.multimodal_utils import PackedTensor
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.generation.hf_generation import HfGeneration
+from tests.fixtures.images import noise_image
 from tests.fixtures.tiny_vlms import SAVERS
 
 pytestmark = pytest.mark.slow
@@ -34,11 +33,6 @@ def vlm_policy(request, tmp_path_factory):
             "seed": 1,
         }
     )
-
-
-def noise_image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def prompt_batch(processor, pad_id: int) -> tuple[BatchedDataDict, list[list[dict]]]:

@@ -34,6 +34,7 @@ from envloop.models.generation.server_media import (
     request_images,
 )
 from envloop.models.tiny_vlm import build_tiny_vlm_processor, tiny_vlm_config
+from tests.fixtures.images import noise_image
 
 TOKENS = VisionTokens(start=400, pad=402, end=401, patch_size=14, merge_size=2)
 GREEDY = Sampling(1.0, 1.0, None, greedy=True)
@@ -43,11 +44,6 @@ MARKER = "<__media_Z6noNp8V3JGMImN5BG6MC7x4W3DegM4h__>"
 @pytest.fixture(scope="module")
 def processor():
     return build_tiny_vlm_processor()
-
-
-def noise_image(seed: int, height: int, width: int) -> Image.Image:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
 
 
 def decoded(png: bytes) -> Image.Image:
