@@ -16,6 +16,7 @@ from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.tiny_vlm import save_tiny_vlm
 from tests.fixtures.images import noise_image
+from tests.fixtures.vlm_envs import PictureBoardEnv
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -179,3 +180,29 @@ def test_images_in_observations_need_a_processor_and_a_template(ray_session, pol
     )  # fmt: skip
     assert final["num_turns"].tolist() == [1, 1, 1]
     assert all("need observation_format='chat_template'" in e for e in final["env_error"])
+
+
+def test_worker_actors_generate_with_the_images(ray_session, policy, vlm_dir):
+    """With num_workers > 1 each row's vision inputs travel to the worker that decodes it."""
+    workers = HfGeneration(
+        {"model_name": str(vlm_dir), "max_new_tokens": 6, "num_workers": 2, "worker_num_cpus": 0}
+    )
+    try:
+        assert workers.processor is not None
+        batch = picture_batch(policy.processor, board_metadata())
+        final, _ = run_multi_turn_rollout(
+            workers, batch, workers.processor, {"board": PictureBoardEnv()}, max_seq_len=400,
+            max_rollout_turns=2, greedy=True, observation_format="chat_template",
+        )  # fmt: skip
+        local, _ = run_multi_turn_rollout(
+            policy, picture_batch(policy.processor, board_metadata()), policy.processor,
+            {"board": PictureBoardEnv()}, max_seq_len=400, max_rollout_turns=2, greedy=True,
+            observation_format="chat_template",
+        )  # fmt: skip
+    finally:
+        workers.shutdown()
+    assert final["num_turns"].tolist() == [2, 2, 2]
+    for remote_log, local_log in zip(final["message_log"], local["message_log"]):
+        assert [m["token_ids"].tolist() for m in remote_log] == [
+            m["token_ids"].tolist() for m in local_log
+        ]
