@@ -30,7 +30,8 @@ class HfGenerationConfig(Config):
 
     model_name: NonEmptyStr
     """Local folder, hub id (e.g. ``Qwen/Qwen3-0.6B``) or ``bundled:policy`` (the tiny demo
-    policy), loaded with ``AutoModelForCausalLM.from_pretrained``."""
+    policy), loaded with ``AutoModelForCausalLM.from_pretrained``, or with
+    ``AutoModelForImageTextToText`` and its processor when its config has a vision part."""
     tokenizer_name: NonEmptyStr | None = None
     """Tokenizer folder, hub id or ``bundled:<name>``; None: ``model_name``'s."""
     device: Device = "cpu"

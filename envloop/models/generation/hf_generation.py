@@ -1,4 +1,5 @@
-"""``HfGeneration``: a transformers causal LM behind ``GenerationInterface``.
+"""``HfGeneration``: a transformers causal LM, or vision-language model, behind
+``GenerationInterface``.
 
 Decoding is our own loop over a KV cache (``decode_loop``), not ``model.generate``, so each
 reported log-probability is exactly that of the distribution its token was drawn from. The
@@ -69,9 +70,18 @@ class HfGeneration(GenerationInterface):
     calls exactly, later calls draw new samples, and a row's tokens do not depend on which
     rows share its steps (up to float rounding of batched matmuls, as for greedy rows).
 
+    A model whose config has a vision part (Qwen2/2.5/3-VL are tested) loads with
+    ``AutoModelForImageTextToText`` and its processor; rows then carry their images' vision
+    inputs as ``PackedTensor`` columns (``pixel_values``, ``image_grid_thw``; see
+    ``envloop.data.multimodal_utils``), which go to the model with the row's prefill, and
+    each row keeps its own rotary positions (Qwen-VL's 3-D ones). Logprobs are defined as
+    above, with the row's images.
+
     Attributes:
         config: the validated :class:`HfGenerationConfig` (given as one or as a mapping).
         tokenizer: the loaded tokenizer (also what the rollout engine tokenizes with).
+        processor: a vision-language model's processor (what the rollout engine tokenizes
+            image conversations with), else None.
         model: the loaded model; None when the work runs on Ray actors.
         on_decode_step: None, or a function called after every decode step of in-process
             generation with the number of tokens that step generated (e.g. a live token
