@@ -20,7 +20,11 @@ from tests.fixtures.llama_server import LlamaServer, converted_gguf
 
 pytestmark = [pytest.mark.server, pytest.mark.ray, pytest.mark.slow]
 DEMO_DATA = Path(__file__).resolve().parents[2] / "examples" / "demo_data.jsonl"
-LOGPROB_TOLERANCE = 1e-3  # greedy tokens (see test_server_generation.py)
+LOGPROB_TOLERANCE = 3e-3
+"""Greedy tokens. A lone request differs from torch by at most 2.6e-4 (see
+test_server_generation.py), but llama-server batches the run's concurrent requests, and the
+batch a row lands in changes its kernels' summation order: 1.1e-3 was seen on a loaded
+machine (load average above 4)."""
 
 
 @pytest.fixture(scope="module")
