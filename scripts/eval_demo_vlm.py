@@ -1,12 +1,12 @@
 """Held-out accuracy of the bundled demo VLM policy on the shapes tasks, against baselines.
 
-    .venv/bin/python scripts/eval_demo_vlm.py [--rows 200] [--model DIR] [--seed 0]
+    .venv/bin/python scripts/eval_demo_vlm.py [--rows 400] [--model DIR] [--seed 0]
 
-The policy (``envloop/demo/assets/vlm_policy`` unless ``--model``) answers held-out rows of
-:mod:`envloop.demo.shapes` by plain ``model.generate`` (no teacher forcing), greedily and
-sampled at temperature 0.7, from the same prompt tokens the rollout engine builds
-(``get_formatted_message_log(..., add_generation_prompt=True)``). The replies are scored by
-the ``vlm`` environment with each task's :data:`~envloop.demo.shapes.REWARD_FUNCTIONS`:
+The policy (``envloop/demo/assets/vlm_policy`` unless ``--model``) runs in ``HfGeneration``
+through ``run_multi_turn_rollout`` against the ``vlm`` environment with each task's
+:data:`~envloop.demo.shapes.REWARD_FUNCTIONS`, as in the demo: one turn, prompts from
+``get_formatted_message_log`` (the image, then the prompt text), greedy and sampled at
+temperature 0.7, on held-out rows of :mod:`envloop.demo.shapes`:
 
 - ``count_shapes``: exact-answer accuracy, against chance (1/4: the answers 1..4 are
   equally likely);
@@ -21,138 +21,116 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
 
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.demo import ASSETS, shapes
-from envloop.environments.reward_model.batching import pad_sequences
+from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.vlm_environment import VLMEnvironment
+from envloop.experience.rollouts import run_multi_turn_rollout
+from envloop.models.generation.hf_generation import HfGeneration
 
 MAX_NEW_TOKENS = 24
+MAX_SEQ_LEN = 256
 MID, HALF = shapes.IMAGE_SIZE // 2, sum(shapes.SIDE_RANGE) // 4
 BASELINES = {
     "whole image": [0, 0, shapes.IMAGE_SIZE, shapes.IMAGE_SIZE],
     "centre box": [MID - HALF, MID - HALF, MID + HALF, MID + HALF],
 }
+Result = tuple[str, str, dict[str, float]]
+"""(task, how the answers were made, {"reward": mean reward, "accuracy": share correct})."""
 
 
-def prompt_inputs(rows: list[shapes.VisualRow], processor: Any) -> dict[str, torch.Tensor]:
-    """Left-padded prompt ``input_ids`` / ``attention_mask`` [B, L] and the vision inputs
-    (``pixel_values`` [patches, 1176], ``image_grid_thw`` [B, 3]) of ``rows``."""
+def vlm_env(task: str) -> VLMEnvironment:
+    return VLMEnvironment({"reward_functions": shapes.REWARD_FUNCTIONS[task]})
+
+
+def rollout_scores(
+    policy: HfGeneration, task: str, rows: list[shapes.VisualRow], greedy: bool
+) -> dict[str, float]:
+    """Mean reward and share correct of one-turn rollouts of ``rows`` in the task's env."""
+    processor = policy.processor
     logs = [
         get_formatted_message_log(shapes.row_messages(row), processor, add_generation_prompt=True)
         for row in rows
     ]
-    tokenizer = processor.tokenizer
-    ids, mask = pad_sequences(
-        [log[0]["token_ids"].tolist() for log in logs], tokenizer.pad_token_id, side="left"
+    batch = BatchedDataDict(
+        message_log=logs,
+        task_name=[task] * len(rows),
+        extra_env_info=[{"ground_truth": row.ground_truth} for row in rows],
+        stop_strings=[None] * len(rows),
     )
+    env = vlm_env(task)
+    try:
+        final, _ = run_multi_turn_rollout(
+            policy, batch, processor, {task: env}, MAX_SEQ_LEN, max_rollout_turns=1, greedy=greedy
+        )
+    finally:
+        env.shutdown()
+    correct = [float(md["correct"]) for md in final["extra_env_info"]]
     return {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "pixel_values": torch.cat([log[0]["pixel_values"].as_tensor() for log in logs]),
-        "image_grid_thw": torch.cat([log[0]["image_grid_thw"].as_tensor() for log in logs]),
+        "reward": final["total_reward"].float().mean().item(),
+        "accuracy": sum(correct) / len(correct),
     }
 
 
-@torch.no_grad()
-def generate_replies(
-    model: Any,
-    processor: Any,
-    rows: list[shapes.VisualRow],
-    temperature: float | None,
-    seed: int = 0,
-    batch_size: int = 50,
-) -> list[str]:
-    """Each row's reply (greedy when ``temperature`` is None), decoded up to EOS."""
-    tokenizer, replies = processor.tokenizer, []
-    torch.manual_seed(seed)
-    for start in range(0, len(rows), batch_size):
-        inputs = prompt_inputs(rows[start : start + batch_size], processor)
-        sampling = {"do_sample": False}
-        if temperature is not None:
-            sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-        out = model.generate(
-            **inputs,
-            max_new_tokens=MAX_NEW_TOKENS,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            **sampling,
-        )
-        new = out[:, inputs["input_ids"].shape[1] :]
-        replies += tokenizer.batch_decode(new, skip_special_tokens=True)
-    return replies
-
-
-def scores(task: str, replies: list[str], truths: list[Any]) -> dict[str, float]:
-    """Mean reward and accuracy of ``replies`` in the task's ``vlm`` environment."""
-    env = VLMEnvironment({"reward_functions": shapes.REWARD_FUNCTIONS[task]})
-    try:
-        logs = [[{"role": "assistant", "content": reply}] for reply in replies]
-        ret = env.step(logs, [{"ground_truth": truth} for truth in truths])
-    finally:
-        env.shutdown()
-    correct = [float(md["correct"]) for md in ret.metadata]
-    return {"reward": float(ret.rewards.mean()), "accuracy": sum(correct) / len(correct)}
-
-
 def evaluate(
-    model: Any, processor: Any, rows_per_task: int, temperatures: list[float | None], seed: int = 0
-) -> list[tuple[str, str, dict[str, float]]]:
-    """(task, decoding, scores) for each task and temperature on held-out rows."""
+    folder: Path, rows_per_task: int, temperatures: list[float | None], seed: int = 0
+) -> list[Result]:
+    """Scores of the policy saved in ``folder`` on ``rows_per_task`` held-out rows of each
+    task, greedy (temperature None) or sampled."""
+    rows = {task: shapes.visual_rows(task, rows_per_task, True) for task in shapes.TASK_ROWS}
     results = []
-    for task in (shapes.COUNT_TASK, shapes.LOCATE_TASK):
-        rows = shapes.visual_rows(task, rows_per_task, held_out=True)
-        truths = [row.ground_truth for row in rows]
-        for temperature in temperatures:
-            replies = generate_replies(model, processor, rows, temperature, seed)
-            name = "greedy" if temperature is None else f"T={temperature}"
-            results.append((task, name, scores(task, replies, truths)))
-    return results
+    for temperature in temperatures:
+        policy = HfGeneration(
+            {
+                "model_name": str(folder),
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "temperature": temperature or 1.0,
+                "seed": seed,
+                "micro_batch_size": 64,
+            }
+        )
+        name = "greedy" if temperature is None else f"T={temperature}"
+        for task, task_rows in rows.items():
+            scores = rollout_scores(policy, task, task_rows, greedy=temperature is None)
+            results.append((task, name, scores))
+        policy.shutdown()
+    return sorted(results, key=lambda result: list(shapes.TASK_ROWS).index(result[0]))
 
 
-def baseline_results(rows_per_task: int) -> list[tuple[str, str, dict[str, float]]]:
+def baseline_results(rows_per_task: int) -> list[Result]:
     """Chance on counting (uniform answers 1..4) and the fixed boxes on grounding."""
     chance = {"reward": 1 / shapes.MAX_SHAPES, "accuracy": 1 / shapes.MAX_SHAPES}
-    results = [(shapes.COUNT_TASK, "chance", chance)]
+    results: list[Result] = [(shapes.COUNT_TASK, "chance", chance)]
     rows = shapes.visual_rows(shapes.LOCATE_TASK, rows_per_task, held_out=True)
-    truths = [row.ground_truth for row in rows]
-    for name, box in BASELINES.items():
-        replies = [shapes.answer_text(box)] * len(rows)
-        results.append((shapes.LOCATE_TASK, name, scores(shapes.LOCATE_TASK, replies, truths)))
+    env = vlm_env(shapes.LOCATE_TASK)
+    try:
+        for name, box in BASELINES.items():
+            logs = [[{"role": "assistant", "content": shapes.answer_text(box)}]] * len(rows)
+            ret = env.step(logs, [{"ground_truth": row.ground_truth} for row in rows])
+            accuracy = sum(md["correct"] for md in ret.metadata) / len(rows)
+            scores = {"reward": ret.rewards.mean().item(), "accuracy": accuracy}
+            results.append((shapes.LOCATE_TASK, name, scores))
+    finally:
+        env.shutdown()
     return results
 
 
-def table(results: list[tuple[str, str, dict[str, float]]]) -> str:
+def table(results: list[Result]) -> str:
     lines = ["| task | answers | mean reward | accuracy |", "|---|---|---|---|"]
     for task, name, s in results:
         lines.append(f"| {task} | {name} | {s['reward']:.3f} | {s['accuracy']:.3f} |")
     return "\n".join(lines)
 
 
-def load_policy(folder: Path) -> tuple[Any, Any]:
-    """The processor and model saved in ``folder``, the model in eval mode."""
-    from transformers import AutoModelForImageTextToText
-
-    from envloop.models.processors import load_processor
-
-    processor = load_processor(str(folder))
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    return processor, model.eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=200, help="held-out rows per task")
+    parser.add_argument("--rows", type=int, default=400, help="held-out rows per task")
     parser.add_argument("--model", type=Path, default=ASSETS / "vlm_policy")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    torch.set_num_threads(2)
     started = time.monotonic()
-    processor, model = load_policy(args.model)
-    results = evaluate(model, processor, args.rows, [None, 0.7], args.seed)
+    results = evaluate(args.model, args.rows, [None, 0.7], args.seed)
     print(table(baseline_results(args.rows) + results))
     print(f"\n{args.rows} held-out rows per task, {time.monotonic() - started:.0f} s")
 

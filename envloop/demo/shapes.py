@@ -29,7 +29,8 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 IMAGE_SIZE = 84
-"""Width and height of every image: 6x6 patches of 14 px, 9 image tokens after merging."""
+"""Width and height of every image: 6x6 patches of 14 px, 9 image tokens after merging. A
+multiple of 28, so Qwen2-VL image processors keep the size: box pixels are the model's."""
 BACKGROUND = (236, 236, 236)
 COLOURS = {
     "red": (220, 50, 47),
@@ -39,7 +40,7 @@ COLOURS = {
 }
 KINDS = ("circle", "square", "triangle")
 MAX_SHAPES = 4
-SIDE_RANGE = (14, 24)
+SIDE_RANGE = (18, 28)
 """Smallest and largest shape side in pixels."""
 GAP = 3
 """Fewest pixels between two shapes' boxes."""
