@@ -20,7 +20,7 @@ __all__ = [
 
 BUNDLED_PREFIX = "bundled:"
 ASSETS = Path(__file__).resolve().parents[1] / "demo" / "assets"
-BUNDLED_NAMES = ("policy", "reward_model")
+BUNDLED_NAMES = ("policy", "reward_model", "vlm_policy")
 
 
 def bundled_path(name: str) -> Path:

@@ -153,7 +153,9 @@ HUB_RULES = (
     "hub id (org/name or name: letters, digits, '-', '_' and '.', not starting or ending with "
     "'-' or '.', no '--' or '..')"
 )
-MODEL_FIX = "an existing model folder, a hub id or bundled:<name> (policy, reward_model)."
+MODEL_FIX = (
+    "an existing model folder, a hub id or bundled:<name> (policy, reward_model, vlm_policy)."
+)
 
 
 def run_demo(*overrides, env=None):
