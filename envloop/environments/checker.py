@@ -10,7 +10,12 @@ import torch
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.ray_utils import is_actor
-from envloop.environments.contract import coerce_env_return, env_return_problems
+from envloop.environments.contract import (
+    NONFINITE_HINT,
+    coerce_env_return,
+    env_return_problems,
+    nonfinite_rewards,
+)
 from envloop.environments.interfaces import EnvironmentReturn
 
 
@@ -43,8 +48,8 @@ def check_env(
 ) -> EnvironmentReturn:
     """Call ``env.step`` (an instance or a Ray actor handle) on the samples and check the
     result: field lengths, dtypes, reward shapes and keys, observation keys, stop-string
-    types, samples whose step failed (``errors``); then ``global_post_process_and_metrics``
-    on a batch built from the result.
+    types, samples whose step failed (``errors``), rewards that are NaN or infinite; then
+    ``global_post_process_and_metrics`` on a batch built from the result.
 
     Returns the ``EnvironmentReturn``; raises :class:`EnvironmentContractError` listing
     every problem found.
@@ -70,7 +75,10 @@ def check_env(
         raise EnvironmentContractError(name, [f"step raised: {_short(exc)}"]) from exc
     problems = env_return_problems(ret, len(logs))
     if not problems:
-        problems = _sample_failures(ret) + _post_process_problems(env, logs, sample_metadata, ret)
+        problems = _sample_failures(ret) + [
+            f"sample {i}: {what}; {NONFINITE_HINT}" for i, what in nonfinite_rewards(ret).items()
+        ]
+        problems += _post_process_problems(env, logs, sample_metadata, ret)
     if problems:
         raise EnvironmentContractError(name, problems)
     return ret

@@ -50,6 +50,32 @@ def env_return_problems(ret: EnvironmentReturn, batch_size: int) -> list[str]:
     return problems
 
 
+def nonfinite_rewards(ret: EnvironmentReturn) -> dict[int, str]:
+    """The samples of a structurally valid ``ret`` whose reward (or a reward component) is
+    NaN or infinite, each with what is wrong: a breach of the contract, since one such value
+    poisons the normalisation of a whole GRPO group.
+
+    >>> nan, inf = float("nan"), float("inf")
+    >>> ret = EnvironmentReturn([None] * 3, [None] * 3, [None] * 3,
+    ...                         {"reward/a": torch.tensor([1.0, nan, inf]),
+    ...                          "reward/b": torch.tensor([0.0, 0.0, -inf])},
+    ...                         torch.ones(3, dtype=torch.bool))
+    >>> nonfinite_rewards(ret)
+    {1: "rewards['reward/a'] is nan", 2: "rewards['reward/a'] is inf, rewards['reward/b'] is -inf"}
+    """
+    rewards = ret.rewards if isinstance(ret.rewards, dict) else {None: ret.rewards}
+    found: dict[int, list[str]] = {}
+    for key, values in rewards.items():
+        name = "reward" if key is None else f"rewards[{key!r}]"
+        bad = (~torch.isfinite(values.detach())).nonzero().flatten().tolist()
+        for i in bad:
+            found.setdefault(i, []).append(f"{name} is {values[i].item()}")
+    return {i: ", ".join(found[i]) for i in sorted(found)}
+
+
+NONFINITE_HINT = "rewards must be finite numbers (a NaN or inf would poison its group's advantages)"
+
+
 def _list_problems(name: str, value: Any, n: int) -> list[str]:
     if not isinstance(value, list):
         return [f"{name}: expected a list of {n}, got {type(value).__name__}"]

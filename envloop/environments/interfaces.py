@@ -24,10 +24,11 @@ RewardsType = Union[torch.Tensor, dict[str, torch.Tensor]]  # noqa: UP007 - runt
 MetadataT = TypeVar("MetadataT")
 """An environment's per-sample metadata type, as in ``EnvironmentInterface[MyMetadata]``."""
 
-DEFAULT_ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": 3, "max_task_retries": 3}
+DEFAULT_ACTOR_OPTIONS: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 3}
 """Ray options every environment actor gets unless overridden: a dead actor is restarted
-and its in-flight ``step`` retried (environments keep episode state in metadata, so a
-retried step gives the same answer)."""
+however often it dies (a crash, or the rollout killing it after a step timed out; a
+constructor that raises is never restarted) and its in-flight ``step`` retried
+(environments keep episode state in metadata, so a retried step gives the same answer)."""
 
 
 class EnvironmentReturn(NamedTuple):

@@ -39,7 +39,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
@@ -48,6 +48,7 @@ import torch
 from envloop.data.content_parts import is_message_content
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.daemon_threads import DaemonThreadPool
 from envloop.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
@@ -265,7 +266,9 @@ class SampleEnvironment(EnvironmentInterface[MetadataT]):
                 yield [(row, self._sample_outcome(log, md))]
             return
         else:
-            pool = ThreadPoolExecutor(min(limit, len(logs)), "envloop-sample")
+            # Daemon threads: a sample stuck past the rollout's timeout must not keep the
+            # interpreter from exiting.
+            pool = DaemonThreadPool(min(limit, len(logs)), "envloop-sample")
             futures = {
                 pool.submit(self._sample_outcome, log, md): row
                 for row, (log, md) in enumerate(zip(logs, metadata))
@@ -451,13 +454,13 @@ class _LoopThread:
 _LOOP_LOCK = threading.Lock()
 
 
-def _threads_of(env: SampleEnvironment[Any], limit: int) -> ThreadPoolExecutor:
+def _threads_of(env: SampleEnvironment[Any], limit: int) -> DaemonThreadPool:
     """``env``'s threads for ``step_sample`` calls of :meth:`SampleEnvironment.astep_stream`,
     started on first use (``limit`` of them)."""
     with _LOOP_LOCK:
         threads = env.__dict__.get("_sample_threads")
         if threads is None:
-            threads = env.__dict__["_sample_threads"] = ThreadPoolExecutor(limit, "envloop-sample")
+            threads = env.__dict__["_sample_threads"] = DaemonThreadPool(limit, "envloop-sample")
         return threads
 
 

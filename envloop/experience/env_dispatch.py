@@ -5,7 +5,14 @@ One call per environment per turn: samples are grouped by ``task_name``, every g
 and the results are collected against one deadline. A step that raises or times out fails
 its whole group; a step that returns ``errors`` (e.g. a
 :class:`~envloop.environments.sample_environment.SampleEnvironment` whose method raised on
-one sample) fails only those samples: each becomes a one-sample group with its error.
+one sample), or a NaN or infinite reward for a sample, fails only those samples: each
+becomes a one-sample group with its error.
+
+Every wait is bounded: an actor's start-up by the start-up timeout (an environment that does
+not start in time fails its samples), a step by the step timeout. An actor whose step timed
+out is restarted before it serves another step (:mod:`envloop.experience.env_actors`); an
+in-process step that timed out is abandoned on a daemon thread, which never keeps the
+interpreter from exiting.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +33,20 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from envloop.distributed.daemon_threads import DaemonThreadPool
 from envloop.distributed.ray_utils import is_actor
-from envloop.environments.contract import coerce_env_return, env_return_problems
+from envloop.environments.contract import (
+    NONFINITE_HINT,
+    coerce_env_return,
+    env_return_problems,
+    nonfinite_rewards,
+)
 from envloop.environments.interfaces import EnvironmentReturn
 from envloop.environments.registry import unknown_name_message
+from envloop.experience.env_actors import StartGate, retire_stuck_actor
+from envloop.experience.rollout_options import RolloutSettings
+
+DEFAULT_STARTUP_TIMEOUT_S: float = RolloutSettings.model_fields["env_startup_timeout_s"].default
 
 
 class EnvironmentStepError(RuntimeError):
@@ -71,43 +88,49 @@ class EnvDispatcher:
         on_error: str = "record",
         max_retries: int = 1,
         max_threads: int | None = None,
+        startup_timeout_s: float | None = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         self.task_to_env = task_to_env
         self.max_threads = max_threads
-        # An infinite limit is no limit (Ray's and the clock's waits take finite seconds).
-        self.timeout_s = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
+        self.timeout_s = _limit(timeout_s)
+        self.startup_timeout_s = _limit(startup_timeout_s)
         self.on_error = on_error
         self.max_retries = max_retries
-        self._pool: ThreadPoolExecutor | None = None
-        self._started: set[str] = set()
+        self._pool: DaemonThreadPool | None = None
+        self._gate = StartGate(self.startup_timeout_s)
+        self._not_started: dict[str, str] = {}  # task -> why its samples fail
 
     @classmethod
     def from_options(
         cls, task_to_env: dict[str, Any], options: Any, max_threads: int | None = None
     ) -> EnvDispatcher:
-        """A dispatcher with the timeout, error policy and retries of rollout ``options``
+        """A dispatcher with the timeouts, error policy and retries of rollout ``options``
         (:class:`~envloop.experience.rollout_options.RolloutSettings`); ``max_threads``:
-        in-process steps that may run at once (None: Python's default pool size)."""
+        in-process steps that may run at once (None: one thread per step in flight)."""
         return cls(
             task_to_env, options.env_step_timeout_s, options.on_env_error,
-            options.env_max_retries, max_threads,
+            options.env_max_retries, max_threads, options.env_startup_timeout_s,
         )  # fmt: skip
 
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
     ) -> list[GroupResult]:
         """Step each group's environment on its samples' logs and metadata, concurrently
-        (first waiting for new actors to start, unless :meth:`wait_until_started` did)."""
+        (first waiting for new actors to start, unless :meth:`wait_until_started` did). The
+        groups of an environment that did not start in time fail at once."""
         self.wait_until_started(groups)
+        started = {t: idx for t, idx in groups.items() if t not in self._not_started}
         pending = {
             task: self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
-            for task, idx in groups.items()
+            for task, idx in started.items()
         }
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        deadline = self._deadline()
         results = []
         for task, idx in groups.items():
             result = GroupResult(task, idx)
             try:
+                if task in self._not_started:
+                    raise _NotStarted(self._not_started[task])
                 ret = self._collect(task, pending[task], deadline, env_logs, metadata, idx)
                 result.result = _validated(task, ret, len(idx))
             except Exception as exc:
@@ -155,6 +178,7 @@ class EnvDispatcher:
                 return
             except Exception as exc:
                 if attempt < self.max_retries and isinstance(exc, RayActorError):
+                    self._await_restart(task)
                     continue
                 deliver(
                     GroupResult(task, [samples[r] for r in left], error=self._failure(task, exc))
@@ -176,13 +200,14 @@ class EnvDispatcher:
         logs = [env_logs[samples[r]] for r in rows]
         mds = [metadata[samples[r]] for r in rows]
         if is_actor(env):
+            sent_at = time.monotonic()
             stream = env.astep_stream.options(num_returns="streaming").remote(logs, mds)
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready, _ = ray.wait([stream], timeout=remaining)
                 if not ready:
-                    ray.cancel(stream)
-                    raise TimeoutError
+                    self._retire(task, stream, sent_at)
+                    raise _ActorTimeout
                 try:
                     ref = next(stream)
                 except StopIteration:
@@ -206,49 +231,95 @@ class EnvDispatcher:
             yield item
 
     def shutdown(self) -> None:
-        """Stop the thread pool without waiting for steps that overran their timeout."""
+        """Stop the thread pool without waiting for steps that overran their timeout (their
+        daemon threads end with the process)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
     def wait_until_started(self, groups: dict[str, list[int]]) -> None:
-        """Wait for the constructors of the groups' actors not seen before, so start-up never
-        counts against the step timeout (nor in the step's timing).
+        """Wait for the constructors of the groups' actors not known started, so start-up
+        never counts against the step timeout (nor in the step's timing); each actor at most
+        ``startup_timeout_s`` from the first wait for it. The steps of an environment that
+        did not start in time fail with an error naming it.
 
         A constructor that raised surfaces on the group's first step, as that step's error.
         """
-        new = [t for t in groups if t not in self._started and is_actor(self.task_to_env[t])]
-        if new:
-            refs = [self.task_to_env[t].__ray_ready__.remote() for t in new]
-            ray.wait(refs, num_returns=len(refs))
-        self._started.update(groups)
+        actors = {
+            t: self.task_to_env[t]
+            for t in groups
+            if t not in self._not_started and is_actor(self.task_to_env[t])
+        }
+        late = self._gate.wait(list(actors.values()))
+        for task, actor in actors.items():
+            if actor._actor_id.binary() in late:
+                self._not_started[task] = (
+                    f"env {task} did not start within env_startup_timeout_s="
+                    f"{self.startup_timeout_s} s (its actor's constructor is still running); "
+                    "raise env_startup_timeout_s if it needs longer, or fix what it waits for"
+                )
 
-    def _submit(self, task: str, logs: list[list[dict]], metadata: list[Any]) -> Any:
+    def _submit(self, task: str, logs: list[list[dict]], metadata: list[Any]) -> _Call:
         env = self.task_to_env[task]
         if is_actor(env):
-            return env.step.remote(logs, metadata)
+            return _Call(env.step.remote(logs, metadata), time.monotonic())
         # Copies, so an in-process environment sees what an actor would: its own objects.
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_threads, thread_name_prefix="envloop-env")
-        return self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
+            self._pool = DaemonThreadPool(self.max_threads, "envloop-env")
+        step = self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
+        return _Call(step, time.monotonic())
+
+    def _deadline(self) -> float | None:
+        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
+
+    def _retire(self, task: str, call: Any, sent_at: float) -> None:
+        """``task``'s actor overran a step: cancel the call and restart the actor, so that no
+        later call queues behind the hung step; wait for the new actor before the next step."""
+        env = self.task_to_env[task]
+        retire_stuck_actor(env, call, sent_at)
+        self._gate.forget(env)
+
+    def _await_restart(self, task: str) -> None:
+        """``task``'s actor died: wait (bounded) for Ray to restart it before a retry (an
+        in-process environment that lost an actor of its own retries at once)."""
+        if is_actor(self.task_to_env[task]):
+            self._gate.forget(self.task_to_env[task])
+            self.wait_until_started({task: []})
 
     def _collect(
         self,
         task: str,
-        handle: Any,
+        call: _Call,
         deadline: float | None,
         env_logs: list[list[dict]],
         metadata: list[Any],
         idx: list[int],
     ) -> Any:
+        """The result of ``call``, a step of ``task``'s environment, by ``deadline``; a step
+        whose actor died is retried (``max_retries``) once Ray has restarted the actor, with
+        a deadline of its own."""
         for attempt in range(self.max_retries + 1):
             try:
-                return _wait(handle, deadline)
+                return self._wait(task, call, deadline)
             except Exception as exc:
                 if attempt == self.max_retries or not isinstance(exc, RayActorError):
                     raise
-                handle = self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
+                self._await_restart(task)
+                if task in self._not_started:
+                    raise _NotStarted(self._not_started[task]) from exc
+                call = self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
+                deadline = self._deadline()
         raise AssertionError("unreachable")
+
+    def _wait(self, task: str, call: _Call, deadline: float | None) -> Any:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if isinstance(call.handle, Future):
+            return call.handle.result(timeout=remaining)
+        try:
+            return ray.get(call.handle, timeout=remaining)
+        except GetTimeoutError:
+            self._retire(task, call.handle, call.sent_at)
+            raise _ActorTimeout from None
 
     def _split_sample_errors(self, group: GroupResult) -> list[GroupResult]:
         """``group`` as is when its result has no per-sample ``errors``; else the samples
@@ -271,9 +342,14 @@ class EnvDispatcher:
         return [GroupResult(task, [group.indices[j] for j in ok], select_rows(ret, ok)), *failed]
 
     def _failure(self, task: str, exc: BaseException) -> str:
-        if isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
+        if isinstance(exc, _ActorTimeout):
+            text = (
+                f"env {task}.step timed out after {self.timeout_s} s; its actor was restarted "
+                "(Ray cannot stop a running step, and later steps would wait behind it)"
+            )
+        elif isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
             text = f"env {task}.step timed out after {self.timeout_s} s"
-        elif isinstance(exc, _ContractError):
+        elif isinstance(exc, (_ContractError, _NotStarted)):
             text = str(exc)
         else:
             text = f"env {task}.step raised:\n{_format_exception(exc)}"
@@ -286,7 +362,30 @@ class _ContractError(ValueError):
     pass
 
 
+class _NotStarted(RuntimeError):
+    pass
+
+
+class _ActorTimeout(TimeoutError):
+    """An actor's step timed out, and the actor was restarted."""
+
+
+@dataclass
+class _Call:
+    """A step in flight: a Ray ``ObjectRef`` or an in-process ``Future``, and when it was sent."""
+
+    handle: Any
+    sent_at: float
+
+
+def _limit(seconds: float | None) -> float | None:
+    """An infinite limit is no limit (Ray's and the clock's waits take finite seconds)."""
+    return seconds if seconds is not None and math.isfinite(seconds) else None
+
+
 def _validated(task: str, value: Any, n: int) -> EnvironmentReturn:
+    """``value`` as an ``EnvironmentReturn`` for ``n`` samples; a broken structure raises
+    ``_ContractError``, a NaN or infinite reward fails its sample (in ``errors``)."""
     try:
         ret = coerce_env_return(value)
     except TypeError as exc:
@@ -296,7 +395,15 @@ def _validated(task: str, value: Any, n: int) -> EnvironmentReturn:
         raise _ContractError(
             f"env {task}.step broke the EnvironmentReturn contract: " + "; ".join(problems)
         )
-    return ret
+    bad = nonfinite_rewards(ret)
+    if not bad:
+        return ret
+    errors = list(ret.errors) if ret.errors is not None else [None] * n
+    for i, what in bad.items():
+        errors[i] = errors[i] or (
+            f"step broke the EnvironmentReturn contract for this sample: {what}; {NONFINITE_HINT}"
+        )
+    return ret._replace(errors=errors)
 
 
 def select_rows(ret: EnvironmentReturn, rows: list[int]) -> EnvironmentReturn:
@@ -322,17 +429,6 @@ def select_rows(ret: EnvironmentReturn, rows: list[int]) -> EnvironmentReturn:
         terminateds=ret.terminateds[index],
         answers=None if ret.answers is None else [ret.answers[j] for j in rows],
     )
-
-
-def _wait(handle: Any, deadline: float | None) -> Any:
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    if isinstance(handle, Future):
-        return handle.result(timeout=remaining)
-    try:
-        return ray.get(handle, timeout=remaining)
-    except GetTimeoutError:
-        ray.cancel(handle)
-        raise
 
 
 def _drain_into(

@@ -26,14 +26,19 @@ class RolloutSettings(Config, title="rollout options"):
     equals ``apply_chat_template(conversation, add_generation_prompt=True)``."""
     env_step_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = None
     """Seconds one environment step may take (actor start-up does not count); a step that
-    takes longer fails its samples. None: no limit."""
+    takes longer fails its samples, and an actor that ran it is restarted before its next
+    step (Ray cannot stop a running step). None: no limit."""
+    env_startup_timeout_s: Annotated[float | None, Field(gt=0, allow_inf_nan=False)] = 600.0
+    """Seconds an environment actor's constructor may take (counted from the rollout's first
+    wait for it, and again after a restart); the samples of an environment that has not
+    started by then fail with an error naming it. None: no limit."""
     on_env_error: OnEnvError = "record"
     """``record``: a failing step ends only its samples, with ``loss_multiplier`` 0, the
     error text in ``env_error``, and ``env_error_rate``; ``raise``:
     ``EnvironmentStepError`` with the environment's traceback."""
     env_max_retries: Annotated[int, Field(ge=0)] = 1
-    """Retries of a step whose Ray actor died (actors from ``create_env`` restart up to 3
-    times)."""
+    """Retries of a step whose Ray actor died, each once Ray has restarted the actor (actors
+    from ``create_env`` restart however often they die)."""
 
 
 class RolloutOptions(RolloutSettings, title="rollout options"):

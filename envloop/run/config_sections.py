@@ -124,8 +124,8 @@ async, or leave it out
         ``run_async_multi_turn_rollout`` (those and :data:`ASYNC_ONLY_SETTINGS`).
 
         >>> RolloutConfig(env_max_retries=3, max_turns=2).engine_options()
-        {'observation_format': 'raw', 'env_step_timeout_s': None, 'on_env_error': 'record', \
-'env_max_retries': 3}
+        {'observation_format': 'raw', 'env_step_timeout_s': None, 'env_startup_timeout_s': 600.0, \
+'on_env_error': 'record', 'env_max_retries': 3}
         >>> options = RolloutConfig(mode="async", max_concurrent_samples=8).engine_options()
         >>> {name: options[name] for name in ASYNC_ONLY_SETTINGS}
         {'max_concurrent_samples': 8, 'coalesce_window_s': 0.002, 'max_coalesced_samples': 256}

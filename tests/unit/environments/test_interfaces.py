@@ -62,7 +62,7 @@ def test_class_remote_starts_an_actor(ray_session):
 
 @pytest.mark.ray
 def test_options_override_the_default_restarts(ray_session, tmp_path):
-    assert DEFAULT_ACTOR_OPTIONS == {"max_restarts": 3, "max_task_retries": 3}
+    assert DEFAULT_ACTOR_OPTIONS == {"max_restarts": -1, "max_task_retries": 3}
     restarted = DieOnceEnv.remote(str(tmp_path / "restarted"))
     ret = ray_session.get(restarted.step.remote([LOG], [{"reply": "again"}]))
     assert ret.observations[0]["content"] == "again"  # died once, restarted, step retried

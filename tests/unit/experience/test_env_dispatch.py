@@ -42,6 +42,12 @@ def step(envs, task_names=TASKS, **options) -> list[GroupResult]:
         dispatcher.shutdown()
 
 
+ACTOR_TIMEOUT = (
+    "env {task}.step timed out after {s} s; its actor was restarted (Ray cannot stop a "
+    "running step, and later steps would wait behind it)"
+)
+
+
 def replies(result: GroupResult) -> list[str]:
     assert result.error is None, result.error
     return [o["content"] for o in result.result.observations]
@@ -296,20 +302,13 @@ def test_a_raising_actor_in_raise_mode_raises(actors):
 @pytest.mark.ray
 def test_an_actor_past_the_timeout_fails_its_group(actors):
     [result] = step({"slow": actors(SlowEnv, 600.0)}, ["slow"], timeout_s=0.5)
-    assert result == GroupResult("slow", [0], None, "env slow.step timed out after 0.5 s")
+    assert result == GroupResult("slow", [0], None, ACTOR_TIMEOUT.format(task="slow", s=0.5))
 
 
 # Ray's own task retries are off (max_task_retries=0), so only the dispatcher retries.
 
 
 @pytest.mark.ray
-@pytest.mark.xfail(
-    strict=True,
-    reason="EnvDispatcher resubmits a step the moment its actor dies, without waiting for Ray "
-    "to restart it: the retry reaches the restarting actor and fails with "
-    "ActorUnavailableError ('The actor is restarting'), so env_max_retries does not survive "
-    "a single actor death unless Ray's own max_task_retries does the retrying",
-)
 def test_a_dead_actor_is_restarted_and_its_step_retried(actors, tmp_path):
     marker = tmp_path / "died"
     env = actors(DieOnceSlowRestartEnv, str(marker), 2.0, max_restarts=1, max_task_retries=0)
@@ -366,18 +365,19 @@ def stream_all(env, sleeps: list[float], timeout_s: float | None = None) -> list
     return delivered
 
 
-def assert_late_sample_timed_out_alone(delivered: list[GroupResult]) -> None:
+def assert_late_sample_timed_out_alone(delivered: list[GroupResult], error: str) -> None:
     assert sorted(r.indices[0] for r in delivered[:2]) == [0, 2]
     assert all(r.result is not None and r.result.rewards.tolist() == [1.0] for r in delivered[:2])
     (late,) = delivered[2:]
     assert late.indices == [1] and late.result is None
-    assert late.error == "env s.step timed out after 2.0 s"
+    assert late.error == error
 
 
 def test_a_streaming_environment_delivers_each_sample_and_times_out_only_the_late_one():
     env = SleepySampleEnv()
     try:
-        assert_late_sample_timed_out_alone(stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0))
+        delivered = stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0)
+        assert_late_sample_timed_out_alone(delivered, "env s.step timed out after 2.0 s")
     finally:
         env.shutdown()
 
@@ -389,7 +389,8 @@ def test_a_batched_environment_does_not_stream():
 @pytest.mark.ray
 def test_a_streaming_actor_delivers_each_sample_and_times_out_only_the_late_one(actors):
     env = actors(SleepySampleEnv)
-    assert_late_sample_timed_out_alone(stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0))
+    delivered = stream_all(env, [0.0, 60.0, 0.01], timeout_s=2.0)
+    assert_late_sample_timed_out_alone(delivered, ACTOR_TIMEOUT.format(task="s", s=2.0))
 
 
 @pytest.mark.ray

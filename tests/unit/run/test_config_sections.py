@@ -17,7 +17,7 @@ from envloop.run.config_sections import RolloutConfig
 REQUIRED = ["policy.model_name=bundled:policy", "data.path=d.jsonl", "envs.math.name=math"]
 SYNC_OPTIONS = {
     "observation_format": "chat_template", "env_step_timeout_s": 5.0, "on_env_error": "raise",
-    "env_max_retries": 2,
+    "env_max_retries": 2, "env_startup_timeout_s": 120.0,
 }  # fmt: skip
 
 
