@@ -6,7 +6,8 @@ text without a fence is code as a whole.
 
 **Code tokens** come from one regular expression that fits most programming languages, so
 non-Python code and code that does not parse tokenize too: string literals (quotes
-included, one token each), identifiers and keywords, numbers, multi-character operators
+included, one token each; a quote whose string is not closed on its line is a token on
+its own), identifiers and keywords, numbers, multi-character operators
 (``==``, ``->``, ``**=``, ...), and every other non-space character on its own. Tokens are
 case-sensitive; whitespace and layout do not count, and neither do repeats (sets).
 """
@@ -17,19 +18,28 @@ import re
 
 _FENCED_BLOCK = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)(?:^[ \t]*```|\Z)", re.S | re.M)
 
-_CODE_TOKEN = re.compile(
-    r"""
-    "(?:\\.|[^"\\\n])*"                       # "string"
-    | '(?:\\.|[^'\\\n])*'                     # 'string'
-    | [^\W\d]\w*                              # identifier or keyword
+_STRINGS = {  # a quote and its string; the closing quote is missing when the string is unclosed
+    '"': r'(?P<double>"(?:\\.|[^"\\\n])*+)(?P<double_end>")?',
+    "'": r"(?P<single>'(?:\\.|[^'\\\n])*+)(?P<single_end>')?",
+}
+_UNCLOSED = {"double": '"', "single": "'"}
+"""The group a match ends in when it is an unclosed string -> its quote."""
+_OTHER_TOKENS = r"""
+    [^\W\d]\w*                                # identifier or keyword
     | 0[xXoObB][0-9a-fA-F_]+                  # 0x1F, 0o17, 0b101
     | \d[\d_]*(?:\.\d+)?(?:[eE][+-]?\d+)?     # 42, 3.14, 1e-9, 1_000
     | \*\*=? | //=? | <<=? | >>=? | \.\.\.     # Python's long operators
     | [-+*/%&|^=!<>:]= | -> | => | && | \|\| | :: | \+\+ | --
     | \S                                      # any other character: ( ) [ ] , . # ...
-    """,
-    re.X,
-)
+"""
+
+
+def _token_pattern(quotes: str) -> re.Pattern[str]:
+    """The code-token pattern with string literals for the quotes in ``quotes`` only."""
+    return re.compile("|".join([*(_STRINGS[q] for q in quotes), _OTHER_TOKENS]), re.X)
+
+
+_CODE_TOKEN = {quotes: _token_pattern(quotes) for quotes in ("\"'", '"', "'", "")}
 
 
 def extract_code(text: str) -> str:
@@ -50,7 +60,27 @@ def code_tokens(code: str) -> list[str]:
     >>> code_tokens("print('hi, you')  # x**=2")
     ['print', '(', "'hi, you'", ')', '#', 'x', '**=', '2']
     """
-    return _CODE_TOKEN.findall(code)
+    return _tokens(code, 0, len(code), "\"'")
+
+
+def _tokens(code: str, start: int, end: int, quotes: str) -> list[str]:
+    """The code tokens of ``code[start:end]``, where strings of only the quotes in ``quotes``
+    can close.
+
+    A quote whose string is unclosed is a token on its own, and the text after it is
+    tokenized as usual: up to where that string stops (its line's end, or the code's), no
+    string of that quote closes either (each would stop at the same place), so that text is
+    tokenized once, without them, never rescanned from each quote in it.
+    """
+    tokens = []
+    for match in _CODE_TOKEN[quotes].finditer(code, start, end):
+        quote = _UNCLOSED.get(match.lastgroup or "")
+        if quote is None:
+            tokens.append(match[0])
+        else:
+            tokens.append(quote)
+            tokens += _tokens(code, match.start() + 1, match.end(), quotes.replace(quote, ""))
+    return tokens
 
 
 def jaccard_similarity(a: set[str], b: set[str]) -> float:

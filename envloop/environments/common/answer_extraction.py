@@ -1,20 +1,36 @@
-"""Pulling answers out of model responses: tagged spans and ``\\boxed{...}``."""
+"""Pulling answers out of model responses: tagged spans and ``\\boxed{...}``.
+
+Every function here takes time linear in the length of the text (a response can be
+megabytes long): each scans the text a bounded number of times, never again from every
+opening tag or brace.
+"""
 
 from __future__ import annotations
 
 import re
 
+_BRACE = re.compile(r"[{}]")
+
 
 def extract_tag(text: str, tag: str) -> str | None:
     """The stripped content of the last ``<tag>...</tag>`` in ``text``; None when absent.
+    Spans pair as a left-to-right reading pairs them (each ``<tag>`` with the first
+    ``</tag>`` after it, the next span starting after that), so ``<a>1<a>2</a>`` reads ``1<a>2``.
 
     >>> extract_tag("<answer> 4 </answer> then <answer>5</answer>", "answer")
     '5'
     >>> extract_tag("<answer>unclosed", "answer") is None
     True
     """
-    matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.S)
-    return matches[-1].strip() if matches else None
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    last, start = None, text.find(opening)
+    while start >= 0:
+        end = text.find(closing, start + len(opening))
+        if end < 0:  # no later <tag> is closed either
+            break
+        last = (start + len(opening), end)
+        start = text.find(opening, end + len(closing))
+    return None if last is None else text[last[0] : last[1]].strip()
 
 
 def has_tag_pair(text: str, tag: str) -> bool:
@@ -38,21 +54,32 @@ def extract_boxed(text: str) -> str | None:
     True
     """
     start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    closing = closing_braces(text)
     while start >= 0:
-        content = _balanced(text, start + len("\\boxed{"))
-        if content is not None:
-            return content
+        brace = start + len("\\boxed{") - 1
+        if brace in closing:
+            return text[brace + 1 : closing[brace]]
         start = text.rfind("\\boxed{", 0, start)
     return None
 
 
-def _balanced(text: str, open_at: int) -> str | None:
-    depth = 1
-    for i in range(open_at, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[open_at:i]
-    return None
+def closing_braces(text: str) -> dict[int, int]:
+    """Where each ``{`` of ``text`` that is closed is closed (nested braces balanced): the
+    index of the ``{`` -> the index of its ``}``, in one pass.
+
+    >>> closing_braces("}{a{b}}{")
+    {3: 5, 1: 6}
+    """
+    open_at: list[int] = []
+    closing: dict[int, int] = {}
+    for brace in _BRACE.finditer(text):
+        if brace[0] == "{":
+            open_at.append(brace.start())
+        elif open_at:
+            closing[open_at.pop()] = brace.start()
+    return closing
 
 
 def after_thinking(text: str) -> str:

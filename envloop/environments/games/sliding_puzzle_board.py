@@ -18,7 +18,8 @@ _TILE_AT = {"up": (1, 0), "down": (-1, 0), "left": (0, 1), "right": (0, -1)}
 """Where the tile that moves in each direction sits, relative to the blank."""
 _WHERE = {"up": "below", "down": "above", "left": "to the right of", "right": "to the left of"}
 _OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
-_SLIDE = re.compile(r"slide\s+(\d+)\s*,?\s*(\d+)")
+_SLIDE = re.compile(r"slide\s++(\d++)(?:\s*+,?\s*+(\d++))?")
+"""``slide R C``, possessive: a run of digits is read once, never split at each of its digits."""
 NO_ACTION = (
     "No move found: reply with one move, e.g. <action>up</action> or <action>slide 2 3</action>."
 )
@@ -69,10 +70,10 @@ def parse_move(board: Sequence[Sequence[int]], action: str) -> str:
         if text in legal_moves(board):
             return text
         raise IllegalMoveError(f"Invalid move {shown}: no tile {_WHERE[text]} the blank.")
-    match = _SLIDE.fullmatch(text)
-    if match is None:
+    square = _slide_square(text)
+    if square is None:
         raise IllegalMoveError(f"Invalid move {shown}: use up, down, left, right or slide ROW COL.")
-    (row, col), n, (br, bc) = (int(match[1]), int(match[2])), len(board), blank_of(board)
+    (row, col), n, (br, bc) = square, len(board), blank_of(board)
     if not (1 <= row <= n and 1 <= col <= n):
         raise IllegalMoveError(f"Invalid move {shown}: row {row}, column {col} is off the board.")
     for direction, (dr, dc) in _TILE_AT.items():
@@ -80,6 +81,25 @@ def parse_move(board: Sequence[Sequence[int]], action: str) -> str:
             return direction
     where = "the blank" if (row, col) == (br + 1, bc + 1) else "not next to the blank"
     raise IllegalMoveError(f"Invalid move {shown}: row {row}, column {col} is {where}.")
+
+
+def _slide_square(text: str) -> tuple[int, int] | None:
+    """(row, column) of a ``slide R C`` move; one run of digits is split before its last
+    digit (``slide 12`` is row 1, column 2); None when ``text`` is no slide.
+
+    >>> _slide_square("slide 2, 3"), _slide_square("slide 123"), _slide_square("slide 1")
+    ((2, 3), (12, 3), None)
+    """
+    match = _SLIDE.fullmatch(text)
+    if match is None:
+        return None
+    row, col = (match[1], match[2]) if match[2] else (match[1][:-1], match[1][-1])
+    if not row:  # "slide 1": one digit, no column
+        return None
+    try:
+        return int(row), int(col)
+    except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits())
+        return None
 
 
 def apply_move(board: Sequence[Sequence[int]], move: str) -> Board:

@@ -47,6 +47,8 @@ def has_one_boxed_answer(text: str) -> bool:
 
 
 _THINK_ANSWER = re.compile(r"<think>.*?</think>\n<answer>.*?</answer>", re.S)
+"""Linear only behind the check for exactly one ``<answer>`` and one ``</answer>``: with several
+``</think>\\n<answer>``, the second lazy span would run on to the end from each of them."""
 
 
 def has_think_answer_format(text: str) -> bool:

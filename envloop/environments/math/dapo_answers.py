@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import re
 
-from envloop.environments.common.answer_extraction import after_thinking, last_match
+from envloop.environments.common.answer_extraction import (
+    after_thinking,
+    closing_braces,
+    last_match,
+)
 
 UNITS: tuple[str, ...] = (
     *("square", "ways", "integers", "dollars", "mph", "inches", "inch", "hours", "hour"),
@@ -91,7 +95,7 @@ def grade_dapo(ground_truth: str, response: str) -> tuple[bool, str | None]:
 def _unwrap(text: str) -> str:
     """``text`` with every wrapper command (``\\text{...}``, ``\\boxed{...}``, ...; nested braces
     balanced) replaced by its content, in one pass; an unclosed one is left as it is."""
-    closing = _matching_braces(text)
+    closing = closing_braces(text)
     dropped: set[int] = set()
     for command in _WRAPPER_COMMAND.finditer(text):
         brace = command.end() - 1
@@ -99,15 +103,3 @@ def _unwrap(text: str) -> str:
             dropped.update(range(command.start(), command.end()))
             dropped.add(closing[brace])
     return "".join(ch for i, ch in enumerate(text) if i not in dropped)
-
-
-def _matching_braces(text: str) -> dict[int, int]:
-    """Index of each ``{`` that is closed -> index of its ``}``."""
-    open_at: list[int] = []
-    closing: dict[int, int] = {}
-    for i, ch in enumerate(text):
-        if ch == "{":
-            open_at.append(i)
-        elif ch == "}" and open_at:
-            closing[open_at.pop()] = i
-    return closing

@@ -139,8 +139,11 @@ def close_math_verifiers() -> None:
         _VERIFIERS.popitem()[1].close()
 
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-_BOX = re.compile(r"\[\s*" + r"\s*,\s*".join([f"({_NUMBER})"] * 4) + r"\s*\]")
+# Atomic groups and possessive spaces: a number or a run of spaces is read once, the longest
+# way (no shorter reading could be followed by what the box needs next), so "[" followed by
+# a megabyte of digits costs one scan, not one per way of splitting the digits.
+_NUMBER = r"[-+]?(?>\d+\.?\d*|\.\d+)(?>[eE][-+]?\d+)?"
+_BOX = re.compile(r"\[\s*+" + r"\s*+,\s*+".join([f"({_NUMBER})"] * 4) + r"\s*+\]")
 
 
 def parse_box(text: str) -> tuple[float, float, float, float] | None:
