@@ -190,7 +190,7 @@ def test_reading_the_registry_imports_no_torch():
         "import sys; from envloop.environments import registry; "
         "problems = registry.get_config_check('reward_model')({'batch_size': 0}); "
         "print(len(problems), 'torch' in sys.modules, "
-        "registry.DEFAULT_ACTOR_OPTIONS == {'max_restarts': 3, 'max_task_retries': 3})"
+        "registry.DEFAULT_ACTOR_OPTIONS == {'max_restarts': -1, 'max_task_retries': 3})"
     )
     child = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert child.stdout.split() == ["1", "False", "True"], child.stderr
