@@ -2,8 +2,12 @@
 
 :func:`run_cells` starts ``sandbox_child.py`` as a script (``python -S -s -B -P``) with
 an empty environment (only ``PATH``, ``LANG``, ``PYTHONHASHSEED``), sends it the cells and
-tests on stdin, and reads at most ``max_output_bytes`` of output until a wall-clock deadline;
-then it kills the child's whole process group. Before running any untrusted code the child
+tests on stdin, and reads at most ``max_output_bytes`` of output until the child exits or a
+wall-clock deadline passes; then it kills the child's whole process group and its children.
+Once the child has exited, output is read only until the pipes are empty (what it wrote is
+in them), at most ``_DRAIN_LIMIT_S``: a process it left holding them open does not hold the
+run up, and the run reports what the cells and tests did, not a time limit (such processes
+are counted in ``RunResult.leftover_processes``). Before running any untrusted code the child
 applies these layers, strongest first (each run reports the ones in force in
 ``RunResult.protections``), then reports that it is ready; the wall-clock limit counts from
 there, so a slow start on a busy machine is not charged to the code (the start itself has
@@ -15,6 +19,14 @@ its own limit, ``_START_LIMIT_S``):
   read-only binds of the Python standard library and the system library directories, and
   ``/dev/null`` and ``/dev/urandom``. The host's files, ``/etc`` and ``/proc`` do not exist
   in there. Everything vanishes when the last sandbox process exits.
+* ``pidns`` (with ``netns``): a private PID namespace. The child forks its init (PID 1: it
+  runs no code, only reaps), which forks the runner of the code. When the runner ends, init
+  kills and reaps every other process in the namespace and exits; and when init dies for any
+  reason (the parent's kill at a limit included), the kernel kills everything in the
+  namespace, and completes init's exit only then. So no process of a run outlives it (nor
+  holds a slot of the sandbox user's ``RLIMIT_NPROC`` or its tmpfs), even one that left the
+  process group with ``os.setsid()`` and closed its output: when :func:`run_cells` returns,
+  they are gone. No ``/proc`` is mounted in there.
 * ``uid=N`` (parent is root): the code runs as ``sandbox_user`` (default ``nobody``) with no
   supplementary groups, so it holds no capabilities (it cannot leave the chroot, mount, or
   change its limits) and ``RLIMIT_NPROC`` applies. The limit counts every process and thread
@@ -35,17 +47,31 @@ Threat model, honestly:
 
 * Contained: runaway loops, CPU burn, memory and disk bombs, fork bombs, output floods,
   reading the host's files or the parent's environment, network access, signalling other
-  processes, leftover processes (the process group is killed after every run).
-* Without root (or without ``unshare``) only ``rlimits`` and the audit hook remain; the code
-  then runs as the parent's user and can read whatever that user can if it gets past the
-  hook. ``RLIMIT_NPROC`` then counts all that user's processes, so forking simply fails.
+  processes, leftover processes (``pidns``: every process of the run is killed when its main
+  process ends or at a limit).
+* Without root only ``rlimits`` and the audit hook remain; the code then runs as the
+  parent's user and can read whatever that user can if it gets past the hook.
+  ``RLIMIT_NPROC`` then counts all that user's processes, so forking simply fails. As root
+  without ``unshare`` (a container without ``CAP_SYS_ADMIN``), ``uid=N`` and ``no_new_privs``
+  hold too. Either way there is no ``pidns``: the parent kills the process group and the
+  sandbox process's children, but with ``max_processes > 1`` a grandchild that calls
+  ``os.setsid()`` survives the run until it ends by itself (as the sandbox user, holding a
+  slot of its ``RLIMIT_NPROC``); it no longer holds the run up.
 * Not contained: kernel exploits (the sandbox shares the host kernel and has the full
   syscall surface, no seccomp), CPython memory-corruption bugs (crafted bytecode can reach
   raw syscalls, skipping the audit hook; the kernel layers still hold), side channels
   (timing, ``/work`` on tmpfs costs host RAM beyond ``memory_mb``), and denial of service
   against other sandboxes of the same uid (shared ``RLIMIT_NPROC``).
-* The audit hook is a mitigation, not a boundary: code in the same interpreter can defeat
-  it (or race its path checks with symlinks). It also means test results come from the
+* The audit hook is a mitigation, not a boundary: it makes honest mistakes fail fast with a
+  clear message, and code in the same interpreter can defeat it. ``gc.get_objects()`` finds
+  the hook's function, and its closure's cells (and ``gc.get_referrers`` the lists of allowed
+  directories) can be rewritten, e.g. to allow sockets or any path; ``os.open(path,
+  dir_fd=fd)`` is checked as if ``path`` were relative to the working directory, not to
+  ``fd``, so a descriptor of an allowed directory plus ``../`` reaches any file; symlinks can
+  race the path checks. (Tried under root: the sockets found no network, the ``dir_fd`` read
+  got a system library the path checks refuse but nothing outside the chroot, a write to
+  ``/usr/lib`` hit the read-only mount.) The kernel layers (namespaces, chroot, uid,
+  rlimits, the PID namespace) are the boundary. The hook also means test results come from the
   same interpreter as the model's code: a model that attacks its grader (forging status
   lines, patching builtins, objects whose ``__eq__`` is always true) can fake passing
   tests. Rewards here measure honest solutions.
@@ -81,6 +107,7 @@ _STATUS_BYTES = 1 << 16  # room for status lines on stderr, beyond max_output_by
 _READY = b'{"protections"'  # the child's status line once isolated, about to run the code
 _START_LIMIT_S = 120.0  # wall-clock limit of the start-up (interpreter, isolation), not the code
 _EXIT_GRACE_S = 5.0  # after its pipes close, how long an exiting process may take to be reapable
+_DRAIN_LIMIT_S = 1.0  # once the sandbox process has exited, the longest the pipes are read
 
 
 _LIMITS = declared_defaults(SandboxLimitsConfig)
@@ -131,6 +158,11 @@ class RunResult:
         cells_finished: cells that ran to their end (an exception counts as an end).
         tests_passed: tests that raised nothing.
         protections: the isolation layers that were in force (see the module docstring).
+        leftover_processes: processes the code started that were still running when the
+            sandbox's main process ended; they did not hold the run up. Under ``pidns`` all
+            were killed then, and this counts them; without it, this is 1 when one of them
+            kept the output open (the others are not seen), else 0, and those that left the
+            process group were not killed (see the threat model).
     """
 
     output: str
@@ -139,6 +171,7 @@ class RunResult:
     cells_finished: int
     tests_passed: int
     protections: tuple[str, ...]
+    leftover_processes: int = 0
 
     def report(self) -> str:
         """The text shown to the model: output, then the error and stop reason lines."""
@@ -210,22 +243,25 @@ def _send(proc: subprocess.Popen[bytes], request: bytes) -> None:
 
 def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[bytes, bytes, str]:
     """Stdout and stderr until both close, a deadline passes or stdout passes
-    ``max_output_bytes``; the third value is why reading stopped early ("start": not ready
-    within ``_START_LIMIT_S``; "timeout": ``timeout_s`` passed since it was ready; "output"),
-    or ""."""
+    ``max_output_bytes``; once the sandbox process has exited, only until the pipes are
+    empty (all it wrote is in them). The third value is why reading stopped early ("start":
+    not ready within ``_START_LIMIT_S``; "timeout": ``timeout_s`` passed since it was ready;
+    "output"; "held": it had exited, but processes it left held the pipes open), or ""."""
     assert proc.stdout is not None and proc.stderr is not None
     out, err = proc.stdout.fileno(), proc.stderr.fileno()
     caps = {out: limits.max_output_bytes, err: _STATUS_BYTES}
     data = {out: bytearray(), err: bytearray()}
-    ready, deadline = False, time.monotonic() + _START_LIMIT_S
+    ready, exited, deadline = False, False, time.monotonic() + _START_LIMIT_S
     with selectors.DefaultSelector() as selector:
         for fd in data:
             selector.register(fd, selectors.EVENT_READ)
         while selector.get_map():
             left = deadline - time.monotonic()
-            if left <= 0:
-                return bytes(data[out]), bytes(data[err]), "timeout" if ready else "start"
-            for key, _ in selector.select(min(left, 0.1)):
+            events = selector.select(min(left, 0.1)) if left > 0 else []
+            if not events and (exited or left <= 0):
+                cut = "held" if exited else "timeout" if ready else "start"
+                return bytes(data[out]), bytes(data[err]), cut
+            for key, _ in events:
                 chunk = os.read(key.fd, 1 << 16)
                 data[key.fd].extend(chunk)
                 if not chunk:
@@ -234,7 +270,8 @@ def _read_output(proc: subprocess.Popen[bytes], limits: SandboxLimits) -> tuple[
                     return bytes(data[out]), bytes(data[err]), "output"
             if not ready and _has_line_starting(data[err], _READY):
                 ready, deadline = True, time.monotonic() + limits.timeout_s
-            if not _running(proc):
+            if not exited and not _running(proc):
+                exited, deadline = True, min(deadline, time.monotonic() + _DRAIN_LIMIT_S)
                 _kill_group(proc)  # children it left behind would hold the pipes open
     return bytes(data[out]), bytes(data[err]), ""
 
@@ -272,17 +309,66 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _end(proc: subprocess.Popen[bytes], cut: str) -> _Ending:
-    """Kill the process group, reap the sandbox process, and say how it ended.
+    """Kill the process group and the sandbox process's children, reap it, wait for them to
+    be gone, and say how it ended.
 
     When reading ended because the pipes closed (no ``cut``), the process is normally
     exiting: the kernel closes a dying process's files before it becomes reapable, so it is
     given :data:`_EXIT_GRACE_S` to get there before it counts as killed by the parent (code
-    that closes its pipes and runs on is still killed, and counted so)."""
+    that closes its pipes and runs on is still killed, and counted so). Its children are
+    killed by pidfd too, as they may have left the group: under ``pidns`` its only child is
+    the namespace's init, whose exit the kernel completes only once every other process of
+    the namespace is gone, so nothing of the run is left when this returns."""
     running = _running(proc) if cut else _running_after(proc, _EXIT_GRACE_S)
+    children = _children(proc) if running else []
     _kill_group(proc)
+    for child in children:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(child, signal.SIGKILL)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
+    _wait_for_exits(children, _EXIT_GRACE_S)
     return _Ending(proc.returncode, usage.ru_utime + usage.ru_stime, running)
+
+
+def _children(proc: subprocess.Popen[bytes]) -> list[int]:
+    """Pidfds of the running sandbox process's children ([] where /proc does not list them)."""
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            pids = [int(pid) for pid in f.read().split()]
+    except (OSError, ValueError):
+        return []
+    pidfds = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            pidfd = os.pidfd_open(pid)
+            if _parent(pid) == proc.pid:  # still its child: not a process that reused the pid
+                pidfds.append(pidfd)
+            else:
+                os.close(pidfd)
+    return pidfds
+
+
+def _parent(pid: int) -> int | None:
+    """The parent's pid of process ``pid``, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _wait_for_exits(pidfds: list[int], limit_s: float) -> None:
+    """Wait until the processes of ``pidfds`` have exited, at most ``limit_s``; closes them."""
+    deadline = time.monotonic() + limit_s
+    with selectors.DefaultSelector() as selector:
+        for pidfd in pidfds:
+            selector.register(pidfd, selectors.EVENT_READ)
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                selector.unregister(key.fd)
+    for pidfd in pidfds:
+        os.close(pidfd)
 
 
 def _result(
@@ -296,6 +382,7 @@ def _result(
     protections: Any = next((e["protections"] for e in events if "protections" in e), [])
     last_error = cells.get(n_cells - 1)
     done = any(e.get("done") is True for e in events)
+    counted = [e["leftover_processes"] for e in events if type(e.get("leftover_processes")) is int]
     stderr_lines = [line for line in status.decode(errors="replace").splitlines() if line]
     return RunResult(
         output=out[: limits.max_output_bytes].decode("utf-8", errors="replace"),
@@ -304,6 +391,7 @@ def _result(
         cells_finished=len(cells),
         tests_passed=len(passed),
         protections=tuple(map(str, protections)) if isinstance(protections, list) else (),
+        leftover_processes=counted[-1] if counted else int(cut == "held"),
     )
 
 

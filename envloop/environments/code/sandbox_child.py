@@ -5,12 +5,27 @@ isolates itself with every layer the kernel allows (see ``code_sandbox``'s docst
 the threat model), runs the cells, reports one JSON status line per event on stderr, and
 exits without running the code's ``atexit`` handlers. It imports nothing from envloop:
 it runs with ``-S`` (no site-packages) inside a private root.
+
+With a PID namespace (``pidns``) the run is three processes, none of which outlives the
+one before it::
+
+    sandbox process (outside the namespace, root): waits for init, then ends as the runner did
+    └── init (PID 1, root, runs no code): reaps orphans; once the runner has ended it
+        │   SIGKILLs and reaps every other process of the namespace, reports how many
+        │   were left ({"leftover_processes": n}), hands the runner's wait status to its
+        │   parent and exits; the kernel would kill what remained when it exits anyway
+        └── runner (PID 2, the sandbox user): the remaining layers, then the cells and tests
+
+so the sandbox process's exit code, signal (a CPU limit's ``SIGXCPU``) and CPU time (its
+``rusage`` includes the processes it reaped) are the runner's, as without the namespace,
+where the sandbox process is the runner itself.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import contextlib
 import json
 import os
 import random
@@ -20,16 +35,16 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # the sandbox must not load subprocess: it would bypass the fork block
     pass
 
 
-_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWPID = 0x00020000, 0x40000000, 0x20000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE, _PR_SET_NO_NEW_PRIVS = 1, 4, 38
 _SYSTEM_LIBS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64")  # shared libraries of C modules
 _DEVICES = ("/dev/null", "/dev/urandom")
 
@@ -46,10 +61,11 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 def _child_main() -> None:
     request = json.loads(sys.stdin.buffer.read())
-    report = _Reporter()
-    quiet = open(os.devnull, "w")  # noqa: SIM115 - replayed cells and tests print here
     limits = SimpleNamespace(**request["limits"])
-    report(protections=_isolate(request["workdir"], request["uid"], request["gid"], limits))
+    protections = _isolate(request["workdir"], request["uid"], request["gid"], limits)
+    report = _Reporter()  # in the runner: with a PID namespace, a process forked above
+    report(protections=protections)
+    quiet = open(os.devnull, "w")  # noqa: SIM115 - replayed cells and tests print here
     namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
     shown = open(1, "w", encoding="utf-8", errors="backslashreplace", buffering=1, closefd=False)  # noqa: SIM115
     random.seed(0)
@@ -111,13 +127,17 @@ def _isolate(workdir: str, uid: int | None, gid: int | None, limits: Any) -> lis
             raise OSError(ctypes.get_errno(), f"{name}{args}: {os.strerror(ctypes.get_errno())}")
 
     applied = []
-    if uid is not None and _try(call, "unshare", _CLONE_NEWNS | _CLONE_NEWNET):
+    namespaces = _unshare(call) if uid is not None else []
+    if uid is not None and namespaces:
         workdir = _private_root(call, workdir, uid, gid, limits.disk_mb)
         applied += ["netns", "chroot"]
     elif uid is not None:
         os.chown(workdir, uid, gid or 0)
     os.chdir(workdir)
     os.environ.update(HOME=workdir, TMPDIR=workdir)
+    if "pidns" in namespaces:
+        _fork_init_and_runner(call)  # returns in the runner only
+        applied.append("pidns")
     if _try(call, "prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0):
         applied.append("no_new_privs")
     _set_rlimits(limits)
@@ -132,6 +152,75 @@ def _isolate(workdir: str, uid: int | None, gid: int | None, limits: Any) -> lis
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # too-large writes raise OSError instead
     sys.addaudithook(_audit_hook(os.getcwd(), limits.max_processes > 1))
     return [*applied, "audit_hook"]
+
+
+def _unshare(call: Callable[..., None]) -> list[str]:
+    """Enter new mount and network namespaces, and a PID namespace when the kernel has them:
+    the layers' names (the mount namespace is reported as ``chroot``), or [] when refused."""
+    if _try(call, "unshare", _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWPID):
+        return ["netns", "pidns"]
+    return ["netns"] if _try(call, "unshare", _CLONE_NEWNS | _CLONE_NEWNET) else []
+
+
+def _fork_init_and_runner(call: Callable[..., None]) -> None:
+    """Fork the PID namespace's init, which forks the runner; returns in the runner only.
+    This process waits for init and ends as the runner did; init reaps (see the module
+    docstring). A pipe carries the runner's wait status from init to this process."""
+    status_read, status_write = os.pipe()
+    init = os.fork()  # PID 1 of the namespace unshared before
+    if init:
+        os.close(status_write)
+        _end_as_runner(call, init, status_read)
+    os.close(status_read)
+    call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # no init without its parent
+    runner = os.fork()
+    if runner:
+        _reap_until_runner_ends(runner, status_write)
+    os.close(status_write)
+
+
+def _end_as_runner(call: Callable[..., None], init: int, status_read: int) -> NoReturn:
+    """Wait for init, then exit with the runner's status: its exit code, or its signal."""
+    _, init_status = os.waitpid(init, 0)
+    reported = os.read(status_read, 32)
+    status = int(reported) if reported.isdigit() else init_status  # init died first
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        call("prctl", _PR_SET_DUMPABLE, 0, 0, 0, 0)  # the signal dumps no core here
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL has no handler to reset
+            signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+        os._exit(128 + number)  # a signal whose default is to be ignored
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+def _reap_until_runner_ends(runner: int, status_write: int) -> NoReturn:
+    """As init: reap every process that ends until the runner does, then kill and reap the
+    rest, report how many were still running, hand over the runner's status and exit."""
+    while (ended := os.waitpid(-1, 0))[0] != runner:
+        pass  # an orphan the runner's processes left: reaped, as init does
+    leftovers = _kill_and_reap_the_rest()
+    with contextlib.suppress(OSError):  # the parent may have stopped reading
+        if leftovers:
+            os.write(2, (json.dumps({"leftover_processes": leftovers}) + "\n").encode())
+        os.write(status_write, str(ended[1]).encode())
+    os._exit(0)
+
+
+def _kill_and_reap_the_rest() -> int:
+    """As init (PID 1): SIGKILL every other process of the namespace and reap them all; how
+    many of them were still running (a process killed before it could be reaped)."""
+    if os.getpid() != 1:  # kill(-1) would reach the whole host: never outside the namespace
+        return 0
+    killed = 0
+    while True:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)  # every process of the namespace but init
+        try:
+            _, status = os.waitpid(-1, 0)
+        except ChildProcessError:  # no children left: the namespace holds only init
+            return killed
+        killed += os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
 
 def _try(call: Callable[..., None], *args: Any) -> bool:

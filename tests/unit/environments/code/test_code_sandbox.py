@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pwd
 import re
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,19 @@ from envloop.environments.code.sandbox import RunResult, SandboxLimits, run_cell
 LIMITS = SandboxLimits(timeout_s=60.0, cpu_time_s=5, memory_mb=256, max_output_bytes=1000)
 IS_ROOT = os.geteuid() == 0
 HOST_LIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NPROC)
+
+
+def _can_unshare() -> bool:
+    """Whether the kernel lets this process make the sandbox's namespaces (tried in a child)."""
+    flags = 0x00020000 | 0x40000000 | 0x20000000  # CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID
+    probe = f"import ctypes, sys; sys.exit(ctypes.CDLL(None).unshare({flags}))"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+NEEDS_PIDNS = pytest.mark.skipif(
+    not (IS_ROOT and _can_unshare()),
+    reason="the PID namespace and the sandbox user need root that may unshare (CAP_SYS_ADMIN)",
+)
 
 
 def process_groups_left(groups: set[int]) -> list[int]:
@@ -84,7 +99,35 @@ def private_user():
     try:
         yield name
     finally:
+        for pid in processes_of(uid):  # left by a failing test: the user is this test's alone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while processes_of(uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
         subprocess.run(["userdel", name], check=True, capture_output=True)
+
+
+def processes_of(uid: int) -> set[int]:
+    """The processes (zombies included) whose real, effective or saved uid is ``uid``."""
+    pids = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError, StopIteration):
+            uids = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            if uid in map(int, uids.split()[1:4]):
+                pids.add(int(status.parent.name))
+    return pids
+
+
+def zombie_children() -> list[int]:
+    """This process's children that have exited but were not reaped."""
+    zombies = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if state == "Z" and int(ppid) == os.getpid():
+                zombies.append(int(stat.parent.name))
+    return zombies
 
 
 def _uids_in_use() -> set[int]:
@@ -226,6 +269,115 @@ def test_fork_bomb_hits_the_process_limit(host, private_user):
     assert result.stopped is None  # the forks it left sleeping were killed with the group
 
 
+# Code whose forks try to outlive the run, each sleeping far past it: in the process group,
+# orphaned, in a session of its own (holding the output pipes open, or not), daemonised.
+ESCAPES = {
+    "fork": "if os.fork() == 0:\n    time.sleep(600)\n",
+    "double fork": (
+        "if os.fork() == 0:\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+    ),
+    "setsid": "if os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n",
+    "setsid, closed fds": (
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    os.close(0)\n"
+        "    os.close(1)\n"
+        "    os.close(2)\n"
+        "    time.sleep(600)\n"
+    ),
+    "daemon": (
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.close(0)\n"
+        "        os.close(1)\n"
+        "        os.close(2)\n"
+        "        time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+    ),
+}
+
+
+@NEEDS_PIDNS
+@pytest.mark.parametrize("max_processes", [1, 8])
+@pytest.mark.parametrize("escape", ESCAPES)
+def test_no_process_of_a_run_outlives_it(host, private_user, escape, max_processes):
+    uid = pwd.getpwnam(private_user).pw_uid
+    before = processes_of(uid)
+    code = "import os, time\n" + ESCAPES[escape] + "print('main done')"
+    result = run(code, max_processes=max_processes, sandbox_user=private_user)
+    assert processes_of(uid) - before == set()  # at once: the run ends when they are gone
+    assert zombie_children() == []
+    if max_processes == 1:  # forking is refused
+        assert (result.output, result.error, result.stopped) == (
+            "", "PermissionError: sandbox: os.fork is not allowed", None,
+        )  # fmt: skip
+        assert result.leftover_processes == 0
+    else:
+        assert (result.output, result.error, result.stopped) == ("main done\n", None, None)
+        assert result.leftover_processes == 1
+
+
+@NEEDS_PIDNS
+def test_no_process_outlives_a_run_stopped_at_its_time_limit(host, private_user):
+    uid = pwd.getpwnam(private_user).pw_uid
+    code = "import os, time\n" + ESCAPES["daemon"] + ESCAPES["setsid"] + "time.sleep(600)"
+    result = run(code, timeout_s=1.0, max_processes=8, sandbox_user=private_user)
+    assert result.stopped == "Stopped: the code ran longer than the 1 s time limit."
+    assert processes_of(uid) == set()  # at once: the kernel empties the namespace first
+    assert zombie_children() == []
+
+
+@NEEDS_PIDNS
+def test_a_process_holding_the_output_open_does_not_make_a_finished_run_a_timeout(
+    host, private_user
+):
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\n6 * 7"
+    limits = dataclasses.replace(LIMITS, timeout_s=20.0, max_processes=8, sandbox_user=private_user)
+    result = run_cells([code], ["assert 6 * 7 == 42", "assert False"], limits)
+    assert (result.output, result.error, result.stopped) == ("42\n", None, None)
+    assert (result.cells_finished, result.tests_passed, result.leftover_processes) == (1, 1, 1)
+
+
+def test_without_a_pid_namespace_output_held_open_after_the_run_ends_is_not_waited_for(
+    host, monkeypatch, tmp_path
+):
+    # A stand-in sandbox process: it forks a process into a session of its own (out of
+    # reach of the process group's kill) that holds the output pipes, reports its results
+    # and exits. The parent stops reading once the pipes are empty and reports those results.
+    pid_file = tmp_path / "leftover.pid"
+    script = (
+        "import os, sys, time\n"
+        "sys.stdin.buffer.read()\n"
+        "r, w = os.pipe()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.setsid()\n"
+        "    os.write(w, b'x')\n"
+        "    time.sleep(600)\n"
+        "    os._exit(0)\n"
+        "os.read(r, 1)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(pid))\n"
+        "os.write(1, b'hi\\n')\n"
+        'os.write(2, b\'{"protections": []}\\n{"cell": 0}\\n{"done": true}\\n\')\n'
+    )
+    monkeypatch.setattr(code_sandbox, "_COMMAND", [sys.executable, "-c", script])
+    try:
+        result = run("print('hi')")
+    finally:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert (result.output, result.error, result.stopped, result.cells_finished) == (
+        "hi\n", None, None, 1,
+    )  # fmt: skip
+    assert result.leftover_processes == 1  # without the namespace: something held the pipes
+
+
 def test_reading_etc_passwd_is_blocked(host):
     result = run("print(open('/etc/passwd').read())")
     assert result.output == ""
@@ -327,7 +479,7 @@ def test_protections_in_force_on_this_machine(host):
     result = run("import os\nos.getuid()")
     if IS_ROOT:
         assert result.protections == (
-            "netns", "chroot", "no_new_privs", "rlimits", "uid=65534", "audit_hook",
+            "netns", "chroot", "pidns", "no_new_privs", "rlimits", "uid=65534", "audit_hook",
         )  # fmt: skip
         assert result.output == "65534\n"
     else:
