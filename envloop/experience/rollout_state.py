@@ -315,14 +315,6 @@ def _checked_logs_and_tasks(batch: BatchedDataDict[Any]) -> tuple[list[list[dict
         raise ValueError(
             f"The input batch has {len(logs)} message logs but {len(task_names)} task names."
         )
-    empty = [i for i, log in enumerate(logs) if isinstance(log, list) and not log]
-    if empty:
-        shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
-        raise ValueError(
-            f"Sample(s) {shown} have an empty message_log: {len(empty)} sample(s) would be "
-            "generated from an empty prompt. Give every sample at least its prompt message, "
-            "or drop those samples."
-        )
     for i, log in enumerate(logs):
         require_token_ids(log, sample_index=i)
     return logs, list(task_names)
@@ -338,13 +330,14 @@ def _pad_id(tokenizer: Any) -> int:
 
 
 def _check_prompt_lengths(prompts: list[torch.Tensor], max_seq_len: int) -> None:
-    no_tokens = [i for i, p in enumerate(prompts) if len(p) == 0]
-    if no_tokens:
-        shown = ", ".join(map(str, no_tokens[:10])) + (", ..." if len(no_tokens) > 10 else "")
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
         raise ValueError(
-            f"Sample(s) {shown} have message logs with no tokens at all (every message's "
-            "token_ids is empty), so they would be generated from an empty prompt. Tokenize "
-            "their prompts (e.g. with get_formatted_message_log) or drop those samples."
+            f"Sample(s) {shown} of the input batch have an empty prompt (an empty message_log, "
+            "or messages whose token_ids are all empty), so nothing would condition their "
+            "generation. Give each a tokenized prompt (e.g. get_formatted_message_log) or drop "
+            "those samples."
         )
     too_long = [(i, len(p)) for i, p in enumerate(prompts) if len(p) > max_seq_len]
     if too_long:

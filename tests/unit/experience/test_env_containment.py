@@ -246,17 +246,16 @@ def test_a_sample_with_an_empty_message_log_is_rejected_up_front(tiny_tokenizer,
     with pytest.raises(ValueError) as info:
         run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"e": EchoEnv()}, 256)
     assert str(info.value) == (
-        "Sample(s) 1, 2 have an empty message_log: 2 sample(s) would be generated from an "
-        "empty prompt. Give every sample at least its prompt message, or drop those samples."
+        "Sample(s) 1, 2 of the input batch have an empty prompt (an empty message_log, or "
+        "messages whose token_ids are all empty), so nothing would condition their generation. "
+        "Give each a tokenized prompt (e.g. get_formatted_message_log) or drop those samples."
     )
 
 
 def test_a_sample_whose_messages_hold_no_tokens_is_rejected_up_front(tiny_tokenizer, policy):
     batch = make_batch(tiny_tokenizer, samples(("e", "a"), ("e", "b")))
     empty = torch.zeros(0, dtype=torch.long)
-    batch["message_log"] = [
-        batch["message_log"][0],
-        [{"role": "user", "content": "", "token_ids": empty}],
-    ]
-    with pytest.raises(ValueError, match=r"^Sample\(s\) 1 have message logs with no tokens at all"):
+    no_tokens = [{"role": "user", "content": "", "token_ids": empty}]
+    batch["message_log"] = [no_tokens, batch["message_log"][1]]
+    with pytest.raises(ValueError, match=r"^Sample\(s\) 0 of the input batch have an empty prompt"):
         run_multi_turn_rollout(policy, batch, tiny_tokenizer, {"e": EchoEnv()}, 256)
