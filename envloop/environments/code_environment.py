@@ -23,14 +23,26 @@ tests run on the episode's state: ``metadata["tests"]`` is a list of Python stat
 usually ``assert`` lines, and the reward is the fraction that raise nothing (0 with no tests
 or no cells; other turns get 0). A first response without code thus gets reward 0 and an
 observation that explains the format.
+
+A response longer than ``max_parse_chars`` is not parsed at all: the episode ends with
+reward 0, no code runs, and the reason is in the observation and ``metadata["code_error"]``
+(``"response has 1,200,000 characters, over max_parse_chars=1,000,000; raise
+max_parse_chars to score it"``; counted in ``code_env/over_max_parse_chars``). Metadata that
+is not a mapping, or whose keys above have the wrong types (``tests`` not a list of str,
+say), is a dataset bug: it raises before any code runs, which fails that sample alone
+through ``EnvironmentReturn.errors``
+(:class:`~envloop.environments.sample_environment.SampleEnvironment`): the rollout records
+the error on it and does not train on it, and the other samples go on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import torch
 
+from envloop.config import validation
 from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
@@ -43,6 +55,7 @@ from envloop.environments.code.config import (
 from envloop.environments.code.sandbox import run_cells, sandbox_limits
 from envloop.environments.common.answer_extraction import extract_tag
 from envloop.environments.sample_environment import SampleEnvironment, SampleStep
+from envloop.environments.utils import last_assistant_text, parse_cap_reason
 
 __all__ = ["DEFAULTS", "CodeEnvConfig", "CodeEnvMetadata", "CodeEnvironment"]
 
@@ -71,6 +84,7 @@ class CodeEnvironment(SampleEnvironment[CodeEnvMetadata]):
         self.max_turns: int = options["max_turns"]
         self.stop_strings: list[str] = list(options["stop_strings"])
         self.max_concurrent_samples = options["num_workers"]
+        self.max_parse_chars: int = options["max_parse_chars"]
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
@@ -80,21 +94,33 @@ class CodeEnvironment(SampleEnvironment[CodeEnvMetadata]):
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
-        """Metrics: mean reward, rate of episodes passing every test, mean code turns."""
+        """Metrics: mean reward, rate of episodes passing every test, mean code turns, and
+        the count of final responses over ``max_parse_chars``."""
         rewards = torch.as_tensor(batch["total_reward"], dtype=torch.float32)
-        turns = [(md or {}).get("turns", 0) for md in batch.get("extra_env_info") or []]
+        infos = [md if isinstance(md, Mapping) else {} for md in batch.get("extra_env_info") or []]
+        turns = [md["turns"] if isinstance(md.get("turns"), int) else 0 for md in infos]
+        responses = [last_assistant_text(log) for log in batch.get("message_log") or []]
         n = max(len(rewards), 1)
         return batch, {
             "code_env/mean_reward": float(rewards.sum()) / n,
             "code_env/all_tests_passed_rate": float((rewards == 1.0).sum()) / n,
             "code_env/mean_code_turns": sum(turns) / max(len(turns), 1),
+            "code_env/over_max_parse_chars": sum(len(r) > self.max_parse_chars for r in responses),
         }
 
     def step_sample(
         self, messages: LLMMessageLogType, metadata: CodeEnvMetadata | None
     ) -> SampleStep:
-        """One turn: run the response's code, or end the episode and score it."""
-        response = str(messages[-1]["content"])
+        """One turn: run the response's code, or end the episode and score it; a response
+        over ``max_parse_chars`` ends it unscored. Bad metadata raises ValueError (failing
+        this sample only)."""
+        response = last_assistant_text(messages)
+        problem = _metadata_problem(metadata)
+        if problem:
+            raise ValueError(problem)
+        too_long = parse_cap_reason("response", len(response), self.max_parse_chars)
+        if too_long:
+            return _unscored(metadata, too_long)
         md: CodeEnvMetadata = {**(metadata or {})}
         code, cells = extract_tag(response, "code"), list(md.get("cells", []))
         if code is None:
@@ -129,9 +155,39 @@ class CodeEnvironment(SampleEnvironment[CodeEnvMetadata]):
 
 
 def _tests(md: CodeEnvMetadata) -> list[str]:
-    tests = md.get("tests") or []
-    if not (isinstance(tests, list) and all(isinstance(t, str) for t in tests)):
-        raise ValueError(
-            f"metadata['tests'] must be a list of Python statements (str), got {tests!r:.80}"
-        )
-    return tests
+    return md.get("tests") or []
+
+
+def _metadata_problem(metadata: Any) -> str | None:
+    """Why a sample's metadata cannot run an episode, or None (None is a fresh episode
+    without tests; keys other than :class:`CodeEnvMetadata`'s are the data's own).
+
+    >>> _metadata_problem({"tests": "assert f(1) == 2", "id": 3})
+    "metadata: tests: expected list[str], got str ('assert f(1) == 2')"
+    >>> _metadata_problem([1, 2]), _metadata_problem({"max_turns": 2}) is None
+    ('metadata: expected a mapping, got list', True)
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        return f"metadata: expected a mapping, got {type(metadata).__name__}"
+    problems = [
+        problem
+        for key, value in metadata.items()
+        if key in CodeEnvMetadata.__annotations__
+        for problem in _key_problems(key, value)
+    ]
+    return "metadata: " + "; ".join(problems) if problems else None
+
+
+def _key_problems(key: str, value: Any) -> list[str]:
+    try:
+        return validation.config_problems(CodeEnvMetadata, {key: value})
+    except Exception as exc:  # a value that cannot even be printed (an int past 4,300 digits)
+        return [f"{key}: {type(exc).__name__}: {exc}"]
+
+
+def _unscored(metadata: CodeEnvMetadata | None, why: str) -> SampleStep:
+    """The episode ends, unscored: reward 0, ``why`` in the observation and metadata."""
+    text = f"Not scored, so the episode ends with reward 0: {why}."
+    return SampleStep(text, 0.0, True, metadata={**(metadata or {}), "code_error": why})

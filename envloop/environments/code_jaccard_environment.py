@@ -11,7 +11,10 @@ Every episode ends after one answer.
 
 A sample whose ground truth is missing, not a string, or holds no code tokens scores 0 and
 says why in its observation and in ``metadata["jaccard_error"]``; the rest of the batch is
-scored as usual. Metadata also gains ``jaccard_score``.
+scored as usual. So does a sample whose response or ground truth is longer than
+``max_parse_chars`` (``"response has 1,200,000 characters, over max_parse_chars=1,000,000;
+raise max_parse_chars to score it"``), which is not parsed at all (its answer is None) and is
+counted in ``code_jaccard_env/over_max_parse_chars``. Metadata also gains ``jaccard_score``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from envloop.environments.code.jaccard_config import (
 from envloop.environments.code.similarity import code_jaccard, code_tokens, extract_code
 from envloop.environments.interfaces import EnvironmentReturn
 from envloop.environments.sample_environment import SampleEnvironment, SampleStep
-from envloop.environments.utils import last_assistant_text
+from envloop.environments.utils import last_assistant_text, parse_cap_reason
 
 __all__ = [
     "DEFAULTS",
@@ -85,14 +88,25 @@ class CodeJaccardEnvironment(SampleEnvironment[CodeJaccardEnvironmentMetadata]):
     def step_sample(self, messages: LLMMessageLogType, metadata: Any) -> SampleStep:
         """Score one response; the episode ends."""
         response = last_assistant_text(messages)
-        score, error = _score(response, metadata)
+        too_long = self._cap_reason(response, metadata)
+        score, error = (0.0, too_long) if too_long else _score(response, metadata)
         return SampleStep(
             self._observation(score, error),
             score,
             terminated=True,
             metadata=_with_result(metadata, score, error),
             next_stop_strings=self.config["stop_strings"],
-            answer=extract_code(response).strip(),
+            answer=None if too_long else extract_code(response).strip(),
+        )
+
+    def _cap_reason(self, response: str, metadata: Any) -> str | None:
+        """Why the sample is not parsed (its response or ground truth is over
+        ``max_parse_chars``), or None."""
+        cap = self.config["max_parse_chars"]
+        truth = metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
+        text = truth if isinstance(truth, str) else ""
+        return parse_cap_reason("ground_truth", len(text), cap) or parse_cap_reason(
+            "response", len(response), cap
         )
 
     def global_post_process_and_metrics(
@@ -101,10 +115,13 @@ class CodeJaccardEnvironment(SampleEnvironment[CodeJaccardEnvironmentMetadata]):
         """Metrics ``code_jaccard_env/...`` over the batch's ``total_reward`` (the scores):
         ``mean_score``, ``aligned_fraction`` (above the threshold), ``exact_fraction``
         (score 1: the same token set), ``error_rate`` (samples that could not be scored, from
-        ``extra_env_info``) and ``num_samples``."""
+        ``extra_env_info``), ``num_samples`` and ``over_max_parse_chars`` (samples whose
+        final response or ground truth was over the cap: a count)."""
         scores = torch.as_tensor(batch["total_reward"], dtype=torch.float32)
         infos = batch.get("extra_env_info") or [None] * len(scores)
         errors = [isinstance(md, Mapping) and "jaccard_error" in md for md in infos]
+        logs = batch.get("message_log") or [[]] * len(infos)
+        over_cap = [self._cap_reason(last_assistant_text(log), md) for log, md in zip(logs, infos)]
         n = max(len(scores), 1)
         return batch, {
             "code_jaccard_env/mean_score": float(scores.sum()) / n,
@@ -112,6 +129,7 @@ class CodeJaccardEnvironment(SampleEnvironment[CodeJaccardEnvironmentMetadata]):
             "code_jaccard_env/exact_fraction": int((scores == 1.0).sum()) / n,
             "code_jaccard_env/error_rate": sum(errors) / n,
             "code_jaccard_env/num_samples": len(scores),
+            "code_jaccard_env/over_max_parse_chars": sum(why is not None for why in over_cap),
         }
 
     @property

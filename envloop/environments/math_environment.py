@@ -17,6 +17,16 @@
 
 The DAPO and multiple-choice checks are plain string work, done in-process (no workers).
 
+**What is not checked** (the sample is incorrect, and its metadata says why in
+``verification_error``; the rest of the batch is checked as usual): a ground truth that is
+missing or None, not a string or a number, or a number that cannot be written out (an int
+past Python's 4,300-digit limit for ``str``); and a response or a string ground truth longer
+than ``max_parse_chars`` (default 1,000,000 characters), which no parser reads: ``"response
+has 1,200,000 characters, over max_parse_chars=1,000,000; raise max_parse_chars to score
+it"`` (a response over the cap scores 0 on the format components too). Such a sample's
+episode ends whatever ``max_attempts`` says (another attempt could not be checked either);
+``math_env/over_max_parse_chars`` counts the samples over the cap.
+
 **What a step returns.** Every sample gets reward 1.0 (correct) or 0.0 and the observation
 ``"Environment: correct"`` or ``"Environment: incorrect"``, nothing else: the policy never
 sees diagnostics. A sample that could not be checked (no ground truth, or its check timed
@@ -55,6 +65,7 @@ from envloop.environments.common.math_verification import MathVerifier, timed_ou
 from envloop.environments.common.process_pool import HardTimeoutPool, Outcome
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.math.checks import (
+    NO_GROUND_TRUTH,
     STRING_CHECKS,
     Verdict,
     has_one_boxed_answer,
@@ -62,7 +73,6 @@ from envloop.environments.math.checks import (
     math_verdict,
     select_extracted_answer,
     string_verdict,
-    unchecked,
     verdict_text,
 )
 from envloop.environments.math.config import (
@@ -72,7 +82,7 @@ from envloop.environments.math.config import (
     config_problems,
     multi_reward_config_problems,
 )
-from envloop.environments.utils import last_assistant_text
+from envloop.environments.utils import last_assistant_text, parse_cap_reason
 
 __all__ = ["DEFAULTS", "MathEnvConfig", "MathEnvironment", "MathMultiRewardEnvironment"]
 
@@ -112,32 +122,60 @@ class MathEnvironment(EnvironmentInterface):
         **kwargs: Any,
     ) -> EnvironmentReturn:
         """Check every sample's last assistant message. Rewards [B] float32 (or a dict of
-        [B] float32 components), terminateds [B] bool (correct, or out of attempts),
-        answers one per sample whatever ``return_extracted_answer`` says (NeMo-RL's flag)."""
+        [B] float32 components), terminateds [B] bool (correct, out of attempts, or not
+        checkable: see the module docstring), answers one per sample whatever
+        ``return_extracted_answer`` says (NeMo-RL's flag)."""
         responses = [last_assistant_text(log) for log in message_log_batch]
-        verdicts = self.judge(responses, [_ground_truth(md) for md in metadata])
+        truths = [_ground_truth(md) for md in metadata]
+        refusals = [self._refusal(r, t) for r, t in zip(responses, truths)]
+        verdicts = self._verdicts(responses, truths, refusals)
         correct = torch.tensor([v.correct for v in verdicts], dtype=torch.float32)
         attempts = torch.tensor([_count_assistant(log) for log in message_log_batch])
+        refused = torch.tensor([why is not None for why in refusals], dtype=torch.bool)
         role, n = self.config["observation_role"], len(responses)
         return EnvironmentReturn(
             observations=[{"role": role, "content": verdict_text(v)} for v in verdicts],
             metadata=[_with_error(md, v.error) for md, v in zip(metadata, verdicts)],
             next_stop_strings=[self.config["stop_strings"]] * n,
-            rewards=self._rewards(correct, responses),
-            terminateds=correct.bool() | (attempts >= self.config["max_attempts"]),
+            rewards=self._rewards(correct, [self._readable(r) for r in responses]),
+            terminateds=correct.bool() | (attempts >= self.config["max_attempts"]) | refused,
             answers=[v.answer for v in verdicts],
         )
 
-    def judge(self, responses: list[str], truths: list[str | None]) -> list[Verdict]:
-        """One :class:`Verdict` per response; a None ground truth is an error, and so is a
-        check that timed out, raised, or lost its worker."""
-        texts = [self._checked_text(r) for r in responses]
-        todo = [i for i, (t, x) in enumerate(zip(truths, texts)) if t is not None and x is not None]
+    def judge(self, responses: list[str], truths: list[Any]) -> list[Verdict]:
+        """One :class:`Verdict` per response against its ground truth (a string or a
+        number). Not checked, with the reason as the verdict's error: a missing or unusable
+        ground truth, or a response or ground truth over ``max_parse_chars``; an error too:
+        a check that timed out, raised, or lost its worker."""
+        refusals = [self._refusal(r, t) for r, t in zip(responses, truths)]
+        return self._verdicts(responses, truths, refusals)
+
+    def _verdicts(
+        self, responses: list[str], truths: list[Any], refusals: list[str | None]
+    ) -> list[Verdict]:
+        texts = [None if why else self._checked_text(r) for r, why in zip(responses, refusals)]
+        todo = [i for i, text in enumerate(texts) if text is not None]
         checked = iter(self._check_texts([(str(truths[i]), str(texts[i])) for i in todo]))
-        verdicts = [unchecked(truth) for truth in truths]
+        verdicts = [Verdict(False, None, why) for why in refusals]
         for i in todo:
             verdicts[i] = next(checked)
         return verdicts
+
+    def _refusal(self, response: str, truth: Any) -> str | None:
+        """Why a sample is not checked at all (its ground truth is unusable, or it or the
+        response is over ``max_parse_chars``); None when it is checked."""
+        return _truth_problem(truth) or self._cap_reason(response, truth)
+
+    def _cap_reason(self, response: str, truth: Any) -> str | None:
+        cap = self.config["max_parse_chars"]
+        text = truth if isinstance(truth, str) else ""  # a number is at most 4,300 digits
+        return parse_cap_reason("ground_truth", len(text), cap) or parse_cap_reason(
+            "response", len(response), cap
+        )
+
+    def _readable(self, response: str) -> str:
+        """The response the format rewards read: "" (no format) when over the cap."""
+        return "" if len(response) > self.config["max_parse_chars"] else response
 
     def check(self, pairs: list[tuple[str, str]]) -> list[Outcome]:
         """One :class:`Outcome` per ``(ground_truth, response)``: ``value`` True/False, or
@@ -173,14 +211,18 @@ class MathEnvironment(EnvironmentInterface):
         ``total_reward`` > 0), ``math_env/num_samples``, ``math_env/fraction_boxed`` (of
         final answers), ``math_env/mean_attempts`` (answers per episode), and, from the
         ``verification_error`` in each sample's final metadata (``extra_env_info``),
-        ``math_env/timeouts`` and ``math_env/verification_errors`` (all failed checks)."""
+        ``math_env/timeouts`` and ``math_env/verification_errors`` (all samples not
+        checked), and ``math_env/over_max_parse_chars`` (final responses or ground truths
+        over the cap, not parsed)."""
         correctness = batch.get("reward/correctness", batch["total_reward"])
         responses = [last_assistant_text(log) for log in batch["message_log"]]
         n = max(len(responses), 1)
         correct = int((torch.as_tensor(correctness) > 0).sum())
-        boxed = sum(extract_boxed(r) is not None for r in responses)
+        boxed = sum(extract_boxed(self._readable(r)) is not None for r in responses)
         attempts = sum(_count_assistant(log) for log in batch["message_log"])
-        errors = [_error_of(md) for md in batch.get("extra_env_info", [])]
+        infos = batch.get("extra_env_info") or [None] * len(responses)
+        errors = [_error_of(md) for md in infos]
+        over_cap = [self._cap_reason(r, _ground_truth(md)) for r, md in zip(responses, infos)]
         return batch, {
             "math_env/accuracy": correct / n,
             "math_env/num_samples": len(responses),
@@ -188,6 +230,7 @@ class MathEnvironment(EnvironmentInterface):
             "math_env/mean_attempts": attempts / n,
             "math_env/timeouts": sum(timed_out(e) for e in errors),
             "math_env/verification_errors": sum(e is not None for e in errors),
+            "math_env/over_max_parse_chars": sum(why is not None for why in over_cap),
         }
 
     def shutdown(self) -> None:
@@ -263,10 +306,33 @@ def _error_of(metadata: Any) -> str | None:
 
 def _count_assistant(log: LLMMessageLogType) -> int:
     """Answers given so far (at least 1: a step follows a response)."""
-    return max(sum(m.get("role") == "assistant" for m in log), 1)
+    messages = log if isinstance(log, (list, tuple)) else []
+    return max(sum(isinstance(m, Mapping) and m.get("role") == "assistant" for m in messages), 1)
 
 
-def _ground_truth(metadata: Any) -> str | None:
-    truth = metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
-    ok = isinstance(truth, (str, int, float)) and not isinstance(truth, bool)
-    return str(truth) if ok else None
+def _ground_truth(metadata: Any) -> Any:
+    """The sample's ground truth as given (None when its metadata has none)."""
+    return metadata.get("ground_truth") if isinstance(metadata, Mapping) else None
+
+
+def _truth_problem(truth: Any) -> str | None:
+    """Why ``truth`` cannot be checked against, or None: it must be a string or a number
+    that can be written out as text.
+
+    >>> _truth_problem("7"), _truth_problem(7), _truth_problem(None)
+    (None, None, "no ground_truth in this sample's metadata")
+    >>> _truth_problem([7])
+    'ground_truth must be a string or a number, got list'
+    >>> _truth_problem(10**5000)
+    'ground_truth cannot be written as text: ValueError: Exceeds the limit (4300 digits) \
+for integer string conversion; use sys.set_int_max_str_digits() to increase the limit'
+    """
+    if truth is None:
+        return NO_GROUND_TRUTH
+    if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+        return f"ground_truth must be a string or a number, got {type(truth).__name__}"
+    try:
+        str(truth)
+    except Exception as exc:  # an int past Python's digit limit, a subclass's own __str__
+        return f"ground_truth cannot be written as text: {type(exc).__name__}: {exc}"
+    return None

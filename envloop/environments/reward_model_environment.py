@@ -11,7 +11,13 @@ has none); the observation is
 
 A conversation longer than ``max_model_len`` tokens is cut from the left (a leading BOS is
 kept), so the last turn is always scored, and counted in ``reward_model_env/num_truncated``.
-An empty or malformed conversation gets reward 0 and an observation saying why. Batches are
+An empty or malformed conversation gets reward 0 and an observation saying why, as does one
+whose messages' contents together are longer than ``max_parse_chars`` (``"conversation has
+1,200,000 characters, over max_parse_chars=1,000,000; raise max_parse_chars to score it"``):
+it is neither templated nor tokenized, so a megabyte-sized response costs nothing to refuse
+(its answer is None). The reason is also in the sample's ``metadata["reward_model_error"]``;
+``reward_model_env/num_unscored`` and ``num_over_max_parse_chars`` count them; the rest of the
+batch is scored as usual (metadata is otherwise returned unchanged). Batches are
 fixed-order, length-sorted within a token budget (``dynamic_batching``, see
 ``reward_model_batching``) or packed rows (``sequence_packing``, see
 ``reward_model_packing``); padding, batching and packing never change a score. Options,
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -44,6 +51,7 @@ from envloop.environments.reward_model.packing import (
     plan_packed_rows,
     score_packed,
 )
+from envloop.environments.utils import parse_cap_reason
 from envloop.models.generation.threads import set_cpu_threads
 
 __all__ = ["RewardModelEnvironment", "RewardModelEnvironmentConfig", "reward_model_ray_options"]
@@ -69,7 +77,10 @@ class RewardModelEnvironment(EnvironmentInterface):
                 f"cannot score packed rows exactly: {problem}. Set sequence_packing.enabled: "
                 "false (dynamic_batching gives the same scores)."
             )
-        self.num_truncated = 0  # since the last global_post_process_and_metrics call
+        # Counts since the last global_post_process_and_metrics call:
+        self.num_truncated = 0
+        self.num_unscored = 0  # malformed or over max_parse_chars
+        self.num_over_max_parse_chars = 0
 
     @classmethod
     def actor_options(cls, config: Any) -> dict[str, Any]:
@@ -103,6 +114,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         bad = [i for i, message in enumerate(log) if not _is_message(message)]
         if bad:
             raise ValueError(f"message {bad[0]} is not a {{'role': str, 'content': str}} dict")
+        too_long = self._cap_reason(log)
+        if too_long:
+            raise ValueError(too_long)
         messages = [{"role": m["role"], "content": m["content"]} for m in log]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False)
@@ -114,6 +128,14 @@ class RewardModelEnvironment(EnvironmentInterface):
             return ids, False
         keep_bos = ids[0] == self.tokenizer.bos_token_id and limit > 1
         return ids[:1] + ids[len(ids) - limit + 1 :] if keep_bos else ids[-limit:], True
+
+    def _cap_reason(self, log: Any) -> str | None:
+        """Why a conversation is not templated nor tokenized: its messages' contents together
+        are over ``max_parse_chars`` (None when not, or when ``log`` is malformed)."""
+        if not isinstance(log, list) or not all(_is_message(m) for m in log):
+            return None
+        chars = sum(len(m["content"]) for m in log)
+        return parse_cap_reason("conversation", chars, self.config["max_parse_chars"])
 
     def scoring_plan(self, lengths: list[int]) -> list[list[int]]:
         """Indices scored together in each forward pass: a packed row (``sequence_packing``),
@@ -150,7 +172,8 @@ class RewardModelEnvironment(EnvironmentInterface):
         *args: Any,
         **kwargs: Any,
     ) -> EnvironmentReturn:
-        """Score every conversation; all terminate. Rewards [B] float32."""
+        """Score every conversation; all terminate. Rewards [B] float32; a conversation that
+        cannot be scored gets 0 and its reason in ``metadata["reward_model_error"]``."""
         if self.model is None:
             raise RuntimeError("RewardModelEnvironment.step after shutdown(); create a new one.")
         results = [self._encode_or_error(log) for log in message_log_batch]
@@ -158,14 +181,20 @@ class RewardModelEnvironment(EnvironmentInterface):
         rewards = torch.zeros(len(results), dtype=torch.float32)
         if valid:
             rewards[list(valid)] = self.score([ids for ids, _ in valid.values()])
+        too_long = [self._cap_reason(log) is not None for log in message_log_batch]
         self.num_truncated += sum(cut for _, cut in valid.values())
+        self.num_unscored += len(results) - len(valid)
+        self.num_over_max_parse_chars += sum(too_long)
         return EnvironmentReturn(
             observations=[_observation(r, reward) for r, reward in zip(results, rewards.tolist())],
-            metadata=list(metadata),
+            metadata=[_with_reason(md, r) for md, r in zip(metadata, results)],
             next_stop_strings=[None] * len(results),
             rewards=rewards,
             terminateds=torch.ones(len(results), dtype=torch.bool),
-            answers=[_last_assistant(log) for log in message_log_batch],
+            answers=[
+                None if long else _last_assistant(log)
+                for log, long in zip(message_log_batch, too_long)
+            ],
         )
 
     def _encode_or_error(self, log: Any) -> tuple[list[int], bool] | str:
@@ -177,19 +206,22 @@ class RewardModelEnvironment(EnvironmentInterface):
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
-        """Reward statistics of ``batch["total_reward"]`` (std: population) and the number of
-        conversations truncated since the previous call."""
+        """Reward statistics of ``batch["total_reward"]`` (std: population) and the numbers
+        of conversations truncated, not scored, and over ``max_parse_chars`` since the
+        previous call."""
         rewards = torch.as_tensor(batch.get("total_reward", []), dtype=torch.float32)
         some = rewards if rewards.numel() else torch.zeros(1)
         stats: dict[str, float] = {
             "num_samples": rewards.numel(),
             "num_truncated": self.num_truncated,
+            "num_unscored": self.num_unscored,
+            "num_over_max_parse_chars": self.num_over_max_parse_chars,
             "mean_reward": some.mean().item(),
             "std_reward": some.std(correction=0).item(),
             "min_reward": some.min().item(),
             "max_reward": some.max().item(),
         }
-        self.num_truncated = 0
+        self.num_truncated = self.num_unscored = self.num_over_max_parse_chars = 0
         return batch, {PREFIX + key: value for key, value in stats.items()}
 
     def shutdown(self) -> None:
@@ -221,6 +253,14 @@ def _is_message(message: Any) -> bool:
     if not isinstance(message, dict):
         return False
     return isinstance(message.get("role"), str) and isinstance(message.get("content"), str)
+
+
+def _with_reason(metadata: Any, encoded: tuple[list[int], bool] | str) -> Any:
+    """``metadata`` unchanged for a scored conversation; with ``reward_model_error`` for one
+    that was not (a metadata that is not a mapping becomes one)."""
+    if not isinstance(encoded, str):
+        return metadata
+    return {**(metadata if isinstance(metadata, Mapping) else {}), "reward_model_error": encoded}
 
 
 def _observation(encoded: tuple[list[int], bool] | str, reward: float) -> dict[str, str]:

@@ -13,23 +13,50 @@ otherwise; and ``EnvRegistryEntry.default_processor``, which names a NeMo-RL dat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
-from envloop.data.interfaces import LLMMessageLogType
+from pydantic import Field
+
 from envloop.environments.registry import ENV_REGISTRY, EnvRegistryEntry, register_env
 from envloop.environments.registry import create_env as _create_registered_env
 
+if TYPE_CHECKING:  # not at run time: the environments' config modules import this one
+    # and must not import torch (``envloop run`` checks configs before starting Ray)
+    from envloop.data.interfaces import LLMMessageLogType
+
 __all__ = [
     "ENV_REGISTRY",
+    "MAX_PARSE_CHARS",
     "EnvRegistryEntry",
+    "MaxParseChars",
     "chunk_list_to_workers",
     "content_text",
     "create_env",
     "last_assistant_text",
+    "parse_cap_reason",
     "register_env",
 ]
 
 T = TypeVar("T")
+
+MAX_PARSE_CHARS = 1_000_000
+"""Default of every built-in environment's ``max_parse_chars``: about 250k tokens, several
+times the longest chains of thought that models generate (32k-128k tokens), so no genuine
+response is refused, while a degenerate one (a repeated ``\\boxed{``) is refused before any
+parser reads it."""
+
+MaxParseChars = Annotated[
+    int,
+    Field(
+        MAX_PARSE_CHARS,
+        ge=1,
+        description=(
+            "a longer text is not parsed: its sample scores 0, saying why in its metadata"
+            " (1,000,000 chars ~ 250k tokens, past any genuine chain of thought)"
+        ),
+    ),
+]
+"""The ``max_parse_chars`` option, declared once for every built-in environment's config."""
 
 
 def create_env(env_name: str, env_config: Any, **ray_options: Any) -> Any:
@@ -61,17 +88,40 @@ def chunk_list_to_workers(to_chunk: list[T], num_workers: int) -> list[list[T]]:
     return [list(to_chunk[i : i + size]) for i in range(0, len(to_chunk), size)]
 
 
+def parse_cap_reason(what: str, chars: int, max_parse_chars: int) -> str | None:
+    """Why a text of ``chars`` characters is not parsed (it is over ``max_parse_chars``), or
+    None when it is not over; ``what`` names the text.
+
+    >>> parse_cap_reason("response", 1_200_000, 1_000_000)
+    'response has 1,200,000 characters, over max_parse_chars=1,000,000; raise \
+max_parse_chars to score it'
+    >>> parse_cap_reason("response", 1_000_000, 1_000_000) is None
+    True
+    """
+    if chars <= max_parse_chars:
+        return None
+    return (
+        f"{what} has {chars:,} characters, over max_parse_chars={max_parse_chars:,}; "
+        "raise max_parse_chars to score it"
+    )
+
+
 def last_assistant_text(message_log: LLMMessageLogType) -> str:
     """The text of the conversation's last assistant message (the response a step scores):
     its ``content`` when that is a string, the ``text`` of its parts when it is a multimodal
-    list of ``{"type": ..., "text": ...}`` parts; "" when there is no assistant message.
+    list of ``{"type": ..., "text": ...}`` parts; "" when there is no assistant message
+    (also when ``message_log`` is not a list of messages).
 
     >>> log = [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]
     >>> last_assistant_text(log)
     'a'
     >>> last_assistant_text([{"role": "assistant", "content": [{"type": "text", "text": "c"}]}])
     'c'
+    >>> last_assistant_text(None)
+    ''
     """
+    if not isinstance(message_log, (list, tuple)):
+        return ""
     for message in reversed(message_log):
         if isinstance(message, Mapping) and message.get("role") == "assistant":
             return content_text(message.get("content"))

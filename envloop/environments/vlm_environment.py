@@ -8,6 +8,16 @@ after that turn with reward = the weighted score in [0, 1] and the observation
 functions that judge correctness (all must say correct); with none (say ``format`` alone) a
 full score of 1 counts as correct. Scoring is split across ``num_workers``
 :class:`VLMVerifyWorker` objects (Ray actors when Ray runs). A malformed response scores 0.
+
+A sample is scored 0 without being parsed, the reason in its ``metadata["reward_errors"]``
+and its observation, when its metadata has no ``ground_truth`` (or None), or when its
+response or a string ground truth is longer than ``max_parse_chars`` (``"response has
+1,200,000 characters, over max_parse_chars=1,000,000; raise max_parse_chars to score it"``;
+counted in ``vlm_env/over_max_parse_chars``). What a ground truth may be is up to the reward
+functions (text, a box, ...): one that a function cannot use (a huge int, say) fails that
+function on that sample alone, which scores 0 for it, with its error in ``reward_errors``
+(:func:`~envloop.environments.rewards.combine_rewards`); the other functions, and the other
+samples, are scored as usual.
 """
 
 from collections.abc import Mapping
@@ -27,7 +37,7 @@ from envloop.environments.rewards import (
     combine_rewards,
     extract_answer,
 )
-from envloop.environments.utils import content_text, last_assistant_text
+from envloop.environments.utils import content_text, last_assistant_text, parse_cap_reason
 from envloop.environments.vlm.config import (
     DEFAULT_CONFIG,
     VLMEnvConfig,
@@ -95,12 +105,14 @@ class VLMEnvironment(EnvironmentInterface):
         """Rewards [B] float32 (the mixed scores), terminateds [B] all True, answers the
         extracted answers; metadata gains ``correct``, ``reward`` and ``reward_errors``."""
         responses = [last_assistant_text(log) for log in message_log_batch]
-        outcomes = self._score(responses, metadata)
+        refusals = [self._refusal(r, md) for r, md in zip(responses, metadata)]
+        outcomes = self._score(responses, metadata, refusals)
         verdicts = [o.correct if o.correct is not None else o.score >= 1.0 for o in outcomes]
+        read = [len(r) <= self.cfg["max_parse_chars"] for r in responses]
         n = len(responses)
         return EnvironmentReturn(
             observations=[
-                self._observation(*sample) for sample in zip(responses, verdicts, outcomes)
+                self._observation(*sample) for sample in zip(responses, verdicts, outcomes, read)
             ],
             metadata=[
                 {
@@ -114,17 +126,35 @@ class VLMEnvironment(EnvironmentInterface):
             next_stop_strings=[None] * n,
             rewards=torch.tensor([o.score for o in outcomes], dtype=torch.float32),
             terminateds=torch.ones(n, dtype=torch.bool),
-            answers=[extract_answer(r, self.answer_tag) for r in responses],
+            answers=[
+                extract_answer(r, self.answer_tag) if ok else None for r, ok in zip(responses, read)
+            ],
         )
 
-    def _score(self, responses: list[str], metadata: list[Any]) -> list[RewardOutcome]:
-        """Outcomes on the workers; a sample without ``ground_truth`` scores 0, with the error."""
-        has_truth = [isinstance(md, Mapping) and "ground_truth" in md for md in metadata]
-        kept = [r for r, ok in zip(responses, has_truth) if ok]
-        truths = [md["ground_truth"] for md, ok in zip(metadata, has_truth) if ok]
-        scored = iter(self.workers.map("score", kept, truths))
-        missing = RewardOutcome(0.0, False, ["metadata: no 'ground_truth' for this sample"])
-        return [next(scored) if ok else missing for ok in has_truth]
+    def _score(
+        self, responses: list[str], metadata: list[Any], refusals: list[str | None]
+    ) -> list[RewardOutcome]:
+        """Outcomes on the workers; a refused sample scores 0, with the reason as its error."""
+        kept = [i for i, why in enumerate(refusals) if why is None]
+        truths = [metadata[i]["ground_truth"] for i in kept]
+        scored = iter(self.workers.map("score", [responses[i] for i in kept], truths))
+        return [
+            next(scored) if why is None else RewardOutcome(0.0, False, [why]) for why in refusals
+        ]
+
+    def _refusal(self, response: str, metadata: Any) -> str | None:
+        """Why a sample is not scored at all (no ground truth, or its response or ground
+        truth is over ``max_parse_chars``); None when it is scored."""
+        if not isinstance(metadata, Mapping) or metadata.get("ground_truth") is None:
+            return "metadata: no 'ground_truth' for this sample"
+        return self._cap_reason(response, metadata["ground_truth"])
+
+    def _cap_reason(self, response: str, truth: Any) -> str | None:
+        cap = self.cfg["max_parse_chars"]
+        text = truth if isinstance(truth, str) else ""  # a box or a number: a few characters
+        return parse_cap_reason("ground_truth", len(text), cap) or parse_cap_reason(
+            "response", len(response), cap
+        )
 
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
@@ -133,7 +163,9 @@ class VLMEnvironment(EnvironmentInterface):
         fraction_properly_ended (the last response ends with ``</answer>`` or a stop string,
         or the rollout did not truncate the sample: it stopped on EOS), and
         mean_generation_tokens (when every assistant message carries ``token_ids``) or else
-        mean_generation_chars, summed over a sample's assistant messages."""
+        mean_generation_chars, summed over a sample's assistant messages, and
+        over_max_parse_chars (samples whose final response or ground truth was over the cap:
+        a count)."""
         infos = [md if isinstance(md, Mapping) else {} for md in batch["extra_env_info"]]
         logs = batch["message_log"]
         truncated = batch.get("truncated")
@@ -144,6 +176,8 @@ class VLMEnvironment(EnvironmentInterface):
             self._ends_properly(last_assistant_text(log)) or s for log, s in zip(logs, stopped)
         ]
         unit, lengths = _generation_lengths(logs)
+        responses = [last_assistant_text(log) for log in logs]
+        over_cap = [self._cap_reason(r, md.get("ground_truth")) for r, md in zip(responses, infos)]
         return batch, {
             "vlm_env/accuracy": _mean([float(md.get("correct", False)) for md in infos]),
             "vlm_env/mean_reward": _mean([float(md.get("reward", 0.0)) for md in infos]),
@@ -153,6 +187,7 @@ class VLMEnvironment(EnvironmentInterface):
             "vlm_env/fraction_properly_ended": _mean([float(e) for e in ended]),
             f"vlm_env/mean_generation_{unit}": _mean(lengths),
             "vlm_env/num_samples": float(len(logs)),
+            "vlm_env/over_max_parse_chars": float(sum(why is not None for why in over_cap)),
         }
 
     def shutdown(self) -> None:
@@ -162,9 +197,11 @@ class VLMEnvironment(EnvironmentInterface):
                 worker.close()
         self.workers.shutdown()
 
-    def _observation(self, response: str, correct: bool, outcome: RewardOutcome) -> dict[str, str]:
+    def _observation(
+        self, response: str, correct: bool, outcome: RewardOutcome, read: bool = True
+    ) -> dict[str, str]:
         notes = list(outcome.errors)
-        if not correct and f"</{self.answer_tag}>" not in response:
+        if read and not correct and f"</{self.answer_tag}>" not in response:
             notes.insert(0, f"no <{self.answer_tag}>...</{self.answer_tag}> in the response")
         verdict = "correct" if correct else "incorrect"
         text = f"Environment: {verdict}" + (f" ({'; '.join(notes)})" if notes else "")

@@ -13,6 +13,7 @@ from pydantic import Field
 from typing_extensions import TypedDict
 
 from envloop.config import validation
+from envloop.environments.utils import MaxParseChars
 
 
 class SandboxLimitsConfig(TypedDict, total=False):
@@ -59,6 +60,7 @@ class CodeEnvConfig(SandboxLimitsConfig, total=False):
             description="where generation stops for the next turn",
         ),
     ]
+    max_parse_chars: MaxParseChars  # of each response
 
 
 DEFAULTS: dict[str, Any] = validation.declared_defaults(CodeEnvConfig)

@@ -10,6 +10,7 @@ from pydantic import Field
 from typing_extensions import TypedDict
 
 from envloop.config import validation
+from envloop.environments.utils import MaxParseChars
 
 
 class CodeJaccardEnvConfig(TypedDict, total=False):
@@ -23,6 +24,7 @@ class CodeJaccardEnvConfig(TypedDict, total=False):
     alignment_threshold: Annotated[
         float, Field(0.5, ge=0, lt=1, description='a score above this is "aligned"')
     ]
+    max_parse_chars: MaxParseChars  # of the response, and of the ground truth
 
 
 DEFAULTS = cast(CodeJaccardEnvConfig, validation.declared_defaults(CodeJaccardEnvConfig))

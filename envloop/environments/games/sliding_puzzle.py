@@ -14,11 +14,23 @@ was wrong and shows the unchanged board. A move's reward is ``reward_on_solve`` 
 the puzzle, else 0, minus ``move_penalty``; the episode ends when solved or after
 ``max_moves`` moves. Boards are scrambled from the solved one by random legal moves drawn
 from a seeded generator, so they are solvable and the same seed gives the same board.
+
+A reply longer than ``max_parse_chars`` is not parsed at all: the episode ends with reward 0,
+the board unchanged, and the reason in the observation and ``metadata["puzzle_error"]``
+(``"response has 1,200,000 characters, over max_parse_chars=1,000,000; raise
+max_parse_chars to score it"``; counted in ``sliding_puzzle_env/over_max_parse_chars``).
+Metadata not made by :func:`new_episode_metadata` (a dataset bug: a missing key, a wrong
+type, a board that is not a permutation, even an int too long to print) fails that sample
+alone through ``EnvironmentReturn.errors``
+(:class:`~envloop.environments.sample_environment.SampleEnvironment`): the rollout records
+the error on it and does not train on it, and the other samples play on.
 """
 
 from __future__ import annotations
 
 from typing import Any, TypedDict
+
+from typing_extensions import NotRequired
 
 from envloop.config import validation
 from envloop.config.errors import ConfigError
@@ -36,6 +48,7 @@ from envloop.environments.games.sliding_puzzle_config import (
     config_problems,
 )
 from envloop.environments.sample_environment import SampleEnvironment, SampleStep
+from envloop.environments.utils import last_assistant_text, parse_cap_reason
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -59,6 +72,7 @@ class SlidingPuzzleMetadata(TypedDict):
     invalid_moves: int  # replies whose action was missing, malformed or illegal
     max_moves: int  # the episode ends after this many moves
     seed: int  # the seed the board was scrambled from
+    puzzle_error: NotRequired[str]  # why the episode ended unplayed: a reply too long to parse
 
 
 def new_episode_metadata(
@@ -89,12 +103,15 @@ def initial_prompt(metadata: SlidingPuzzleMetadata) -> str:
 def _metadata_problems(md: Any) -> list[str]:
     if md is None:  # config_problems would read None as "the defaults"; metadata has none
         return ["expected a mapping, got None"]
-    problems = validation.config_problems(SlidingPuzzleMetadata, md)
-    if not problems:
-        n, rows = md["size"], md["board"]
-        square = len(rows) == n and all(isinstance(r, list) and len(r) == n for r in rows)
-        if not square or sorted(t for r in rows for t in r) != list(range(n * n)):
-            problems.append(f"board: expected {n} lists of {n} tiles holding 0..{n * n - 1}")
+    try:
+        problems = validation.config_problems(SlidingPuzzleMetadata, md)
+        if not problems:
+            n, rows = md["size"], md["board"]
+            square = len(rows) == n and all(isinstance(r, list) and len(r) == n for r in rows)
+            if not square or sorted(t for r in rows for t in r) != list(range(n * n)):
+                problems.append(f"board: expected {n} lists of {n} tiles holding 0..{n * n - 1}")
+    except Exception as exc:  # a value that cannot even be printed (an int past 4,300 digits)
+        problems = [f"{type(exc).__name__}: {exc}"]
     return problems
 
 
@@ -129,14 +146,18 @@ class SlidingPuzzleEnv(SampleEnvironment[SlidingPuzzleMetadata]):
     def step_sample(self, messages: list[Any], metadata: Any) -> SampleStep:
         """Play the sample's last reply on its board; ``answer`` is the reply's action text
         (None when absent). Metadata not made by :func:`new_episode_metadata` (a dataset
-        bug) raises ConfigError, which fails this sample."""
-        md = metadata
+        bug) raises ConfigError, which fails this sample; a reply over ``max_parse_chars``
+        ends the episode unplayed."""
+        md, response = metadata, last_assistant_text(messages)
         problems = _metadata_problems(md)
         if problems:
             raise ConfigError(
                 "sliding_puzzle episode metadata (use new_episode_metadata)", problems
             )
-        action = extract_tag(messages[-1]["content"], "action") if messages else None
+        too_long = parse_cap_reason("response", len(response), self.config["max_parse_chars"])
+        if too_long:
+            return self._unplayed(md, too_long)
+        action = extract_tag(response, "action")
         board, status, invalid = play(tuple(map(tuple, md["board"])), action)
         moves = md["moves_made"] + 1
         new_md = SlidingPuzzleMetadata(
@@ -156,12 +177,23 @@ class SlidingPuzzleEnv(SampleEnvironment[SlidingPuzzleMetadata]):
         return SampleStep(observation, reward, done, metadata=new_md,
                           next_stop_strings=list(STOP_STRINGS), answer=action)  # fmt: skip
 
+    def _unplayed(self, metadata: Any, why: str) -> SampleStep:
+        """The episode ends without a move: reward 0, ``why`` in the observation and in
+        ``metadata["puzzle_error"]``."""
+        text = f"Not played, so the episode ends with reward 0: {why}."
+        return SampleStep(text, 0.0, True, metadata={**metadata, "puzzle_error": why})
+
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
-        """Metrics over the batch's final episode states (``extra_env_info``)."""
-        episodes = [md for md in batch["extra_env_info"] if md is not None]
+        """Metrics over the batch's final episode states (``extra_env_info``; the metadata
+        of a sample that failed, not an episode's, is left out) and the count of final
+        replies over ``max_parse_chars``."""
+        infos = batch["extra_env_info"]
+        episodes = [md for md in infos if md is not None and not _metadata_problems(md)]
         count, moves = max(len(episodes), 1), sum(md["moves_made"] for md in episodes)
+        replies = [last_assistant_text(log) for log in batch.get("message_log") or []]
+        cap = self.config["max_parse_chars"]
         solved = [is_solved(md["board"]) for md in episodes]
         limit = [not s and md["moves_made"] >= md["max_moves"] for s, md in zip(solved, episodes)]
         return batch, {
@@ -172,4 +204,5 @@ class SlidingPuzzleEnv(SampleEnvironment[SlidingPuzzleMetadata]):
                 sum(md["invalid_moves"] for md in episodes) / max(moves, 1)
             ),
             "sliding_puzzle_env/move_limit_rate": sum(limit) / count,
+            "sliding_puzzle_env/over_max_parse_chars": sum(len(r) > cap for r in replies),
         }

@@ -10,6 +10,7 @@ from pydantic import Field
 from typing_extensions import TypedDict
 
 from envloop.config import validation
+from envloop.environments.utils import MaxParseChars
 
 
 class SlidingPuzzleConfig(TypedDict, total=False):
@@ -28,6 +29,7 @@ class SlidingPuzzleConfig(TypedDict, total=False):
     move_penalty: Annotated[
         float, Field(0.0, ge=0, description="subtracted from every move's reward")
     ]
+    max_parse_chars: MaxParseChars  # of each reply
 
 
 DEFAULT_CONFIG = cast(SlidingPuzzleConfig, validation.declared_defaults(SlidingPuzzleConfig))

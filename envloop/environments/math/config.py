@@ -12,6 +12,7 @@ from pydantic import Field
 from typing_extensions import TypedDict
 
 from envloop.config import validation
+from envloop.environments.utils import MaxParseChars
 
 VerifierType = Literal["math", "english_multichoice", "multilingual_multichoice", "dapo"]
 MathVerifyImpl = Literal["hf_math_verify", "dapo_math_verify"]
@@ -44,6 +45,7 @@ class MathEnvConfig(TypedDict, total=False):
         MathVerifyImpl | None,
         Field("hf_math_verify", description="the check of verifier_type math (None: math-verify)"),
     ]
+    max_parse_chars: MaxParseChars  # of the response, and of a text ground truth
 
 
 DEFAULTS = cast(MathEnvConfig, validation.declared_defaults(MathEnvConfig))

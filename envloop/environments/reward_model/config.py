@@ -6,7 +6,10 @@ three groups:
 (a) **Scoring keys**, honoured: ``enabled``, ``model_name``, ``tokenizer`` (a name or
     ``{name, chat_template, chat_template_kwargs}``), ``precision``, ``batch_size``,
     ``logprob_batch_size``, ``checkpoint_path``, ``max_model_len``, ``resources``,
-    ``reward_model_cfg``, ``dynamic_batching`` and ``sequence_packing``.
+    ``reward_model_cfg``, ``dynamic_batching`` and ``sequence_packing``; and envloop's own
+    ``max_parse_chars`` (the cap every built-in environment has on the text it parses:
+    here the conversation's message contents together, before they are templated and
+    tokenized).
 (b) **Not used for scoring** (they configure NeMo-RL's trainer or data pipeline):
     ``processor`` (a data-processor name such as ``math_hf_data_processor``),
     ``offload_optimizer_for_logprob``, ``max_grad_norm``, ``dtensor_cfg``, ``generation``,
@@ -46,6 +49,7 @@ from envloop.environments.reward_model.checks import (
     unused_keys,
     value_problems,
 )
+from envloop.environments.utils import MaxParseChars
 
 __all__ = [
     "DEFAULTS",
@@ -155,6 +159,7 @@ class RewardModelEnvironmentConfig(TypedDict, total=False):
     max_model_len: Annotated[
         int, Field(4096, ge=1, description="tokens kept of a conversation (cut from the left)")
     ]
+    max_parse_chars: MaxParseChars  # of the conversation's message contents together
     resources: Annotated[ResourcesConfig, _section(ResourcesConfig, "Ray actor resources")]
     reward_model_cfg: Annotated[
         RewardModelCfg, _section(RewardModelCfg, "the kind of reward model")

@@ -14,6 +14,7 @@ from typing_extensions import TypedDict
 from envloop.config import validation
 from envloop.config.errors import ConfigError
 from envloop.environments.rewards import reward_config_problems
+from envloop.environments.utils import MaxParseChars
 
 
 class VLMEnvConfig(TypedDict, total=False):
@@ -36,6 +37,7 @@ class VLMEnvConfig(TypedDict, total=False):
             description='the reward mix: [{"name", "weight", "kwargs"?}, ...]',
         ),
     ]
+    max_parse_chars: MaxParseChars  # of the response, and of a text ground truth
 
 
 DEFAULT_CONFIG = cast(VLMEnvConfig, validation.declared_defaults(VLMEnvConfig))

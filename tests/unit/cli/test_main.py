@@ -47,6 +47,7 @@ def test_envs_lists_config_fields_and_defaults(capsys):
         ["observation_role", "str", '"environment"'],
         ["verifier_type", "one", "of"],
         ["math_verify_impl", "one", "of"],
+        ["max_parse_chars", "int", "1000000"],
     ]
     assert re.search(r'"correctness" +one reward, or correctness \+ format', math[3])
     # the default is shown once, in its column; null (not None) throughout

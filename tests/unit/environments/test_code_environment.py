@@ -102,7 +102,7 @@ def test_no_tests_means_reward_zero(env):
 
 
 def test_bad_test_metadata_is_a_clear_error(env):
-    with pytest.raises(ValueError, match=r"metadata\['tests'\] must be a list of Python"):
+    with pytest.raises(ValueError, match=r"^metadata: tests: expected list\[str\], got str"):
         step(env, ["done"], [{"tests": "assert True"}])
 
 
@@ -135,6 +135,7 @@ def test_metrics(env):
         "code_env/mean_reward": 0.625,
         "code_env/all_tests_passed_rate": 0.5,
         "code_env/mean_code_turns": 1.5,
+        "code_env/over_max_parse_chars": 0,
     }
 
 
@@ -195,3 +196,107 @@ def test_a_batch_keeps_its_order(env):
     assert [o["content"] for o in ret.observations] == [
         f"<result>\n{i * 3}\n</result>" for i in range(5)
     ]
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+ADVERSARIAL = ["<code>" * 200_000, "```python\n" * 120_000, "<code>print(1)" * 80_000]
+
+
+def unscored(why: str) -> dict[str, str]:
+    return {
+        "role": "environment",
+        "content": f"Not scored, so the episode ends with reward 0: {why}.",
+    }
+
+
+def test_megabyte_responses_over_the_default_cap_are_not_run(env):
+    responses = ["<code>print(6 * 7)</code>", *ADVERSARIAL]
+    ret = step(env, responses, [{"tests": TESTS}] * 4)
+    reasons = [
+        f"response has 1,200,000 characters, {OVER_CAP}",
+        f"response has 1,200,000 characters, {OVER_CAP}",
+        f"response has 1,120,000 characters, {OVER_CAP}",
+    ]
+    assert ret.observations == [
+        {"role": "tool", "content": "<result>\n42\n</result>"},
+        *[unscored(why) for why in reasons],
+    ]
+    assert ret.metadata[1:] == [{"tests": TESTS, "code_error": why} for why in reasons]
+    assert ret.rewards.tolist() == [0.0] * 4
+    assert ret.terminateds.tolist() == [False, True, True, True]
+    assert ret.answers == ["print(6 * 7)", None, None, None]
+    batch = BatchedDataDict(
+        message_log=[conversation(r) for r in responses],
+        extra_env_info=ret.metadata,
+        total_reward=ret.rewards,
+    )
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics["code_env/over_max_parse_chars"] == 3
+
+
+def test_a_megabyte_response_under_the_default_cap_runs():
+    env = CodeEnvironment({**CFG, "num_workers": 1})
+    response = "Let me think. " * 20_000 + "<code>" + "x = 1\n" * 100_000 + "print(x + 1)</code>"
+    assert len(response) == 880_025
+    try:
+        ret = step(env, [response], [{}])
+    finally:
+        env.shutdown()
+    assert ret.observations == [{"role": "tool", "content": "<result>\n2\n</result>"}]
+    assert ret.metadata[0]["turns"] == 1 and "code_error" not in ret.metadata[0]
+
+
+def test_responses_up_to_the_cap_are_run_and_longer_ones_are_not():
+    env = CodeEnvironment({**CFG, "num_workers": 1, "max_parse_chars": 3_000})
+    noise = "```python\n" * 297 + "x" * 9  # 2,979 characters
+    at_cap, over = f"{noise}<code>print(2)</code>", f"{noise}!<code>print(2)</code>"
+    assert (len(at_cap), len(over)) == (3_000, 3_001)
+    try:
+        ret = step(env, [at_cap, over], [{}, {}])
+    finally:
+        env.shutdown()
+    assert ret.observations == [
+        {"role": "tool", "content": "<result>\n2\n</result>"},
+        unscored("response has 3,001 characters, over max_parse_chars=3,000; raise "
+                 "max_parse_chars to score it"),
+    ]  # fmt: skip
+
+
+POISONS = {
+    "tests_not_a_list": (
+        {"tests": "assert True"},
+        "tests: expected list[str], got str ('assert True')",
+    ),
+    "huge_int_test": (
+        {"tests": [10**5000]},
+        "tests: ValueError: Exceeds the limit (4300 digits) for integer string conversion; "
+        "use sys.set_int_max_str_digits() to increase the limit",
+    ),
+    "max_turns_str": ({"max_turns": "3"}, "max_turns: expected int, got str ('3')"),
+    "cells_nested": (
+        {"cells": [{"src": "x = 1"}]},
+        "cells[0]: expected str, got dict ({'src': 'x = 1'})",
+    ),
+    "turns_none": ({"turns": None}, "turns: expected int, got NoneType (None)"),
+    "not_a_mapping": (["assert True"], "expected a mapping, got list"),
+}
+
+
+@pytest.mark.parametrize("poison, problem", list(POISONS.values()), ids=list(POISONS))
+def test_one_poisoned_sample_fails_alone_and_the_others_are_scored(env, poison, problem):
+    finished = {"tests": TESTS, "cells": ["def square(n):\n    return n * n"], "turns": 1}
+    responses = ["<code>print(6 * 7)</code>", "<code>print(1)</code>", "Done."]
+    ret = step(env, responses, [{}, poison, finished])
+    assert ret.rewards.tolist() == [0.0, 0.0, torch.tensor(2 / 3).item()]
+    assert ret.terminateds.tolist() == [False, True, True]
+    assert ret.observations[0]["content"] == "<result>\n42\n</result>"
+    assert ret.observations[2]["content"] == f"{NO_CODE}: 2/3 tests passed."
+    # The poisoned sample fails through `errors` (the rollout records it, loss_multiplier 0),
+    # before any of its code runs; its metadata comes back unchanged.
+    assert ret.errors[0] is None and ret.errors[2] is None
+    assert ret.errors[1].startswith(
+        f"CodeEnvironment.step_sample raised ValueError: metadata: {problem}\nTraceback"
+    )
+    assert ret.metadata[1] is poison

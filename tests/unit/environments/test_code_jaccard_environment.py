@@ -157,7 +157,80 @@ def test_metrics(env):
         "code_jaccard_env/exact_fraction": 0.25,
         "code_jaccard_env/error_rate": 0.25,
         "code_jaccard_env/num_samples": 4,
+        "code_jaccard_env/over_max_parse_chars": 0,
     }
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+ADVERSARIAL = ["```python\n" * 120_000, "a = (" * 250_000, "'" * 1_000_001]
+
+
+def test_megabyte_responses_over_the_default_cap_are_not_parsed(env):
+    logs = [_log("x = a + b"), *[_log(r) for r in ADVERSARIAL]]
+    ret = env.step(logs, [{"ground_truth": "a + b"}] * 4, return_extracted_answer=True)
+    assert torch.equal(ret.rewards, torch.tensor([0.6, 0.0, 0.0, 0.0]))
+    assert ret.answers == ["x = a + b", None, None, None]
+    reasons = [
+        f"response has 1,200,000 characters, {OVER_CAP}",
+        f"response has 1,250,000 characters, {OVER_CAP}",
+        f"response has 1,000,001 characters, {OVER_CAP}",
+    ]
+    assert ret.metadata[1:] == [
+        {"ground_truth": "a + b", "jaccard_score": 0.0, "jaccard_error": why} for why in reasons
+    ]
+    assert ret.observations[1]["content"] == (
+        f"Environment: jaccard misaligned (score: 0.00; {reasons[0]})"
+    )
+    assert ret.terminateds.tolist() == [True] * 4
+    batch = BatchedDataDict(message_log=logs, extra_env_info=ret.metadata, total_reward=ret.rewards)
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics["code_jaccard_env/over_max_parse_chars"] == 3
+    assert metrics["code_jaccard_env/error_rate"] == 0.75
+
+
+def test_megabyte_responses_under_the_default_cap_get_their_exact_score(env):
+    responses = ["x = a + b\n" * 99_000, "```python\n" * 99_000, "a = (" * 199_000]
+    ret = env.step([_log(r) for r in responses], [{"ground_truth": "a + b"}] * 3)
+    # {x, =, a, +, b} against {a, +, b}; an unclosed fence of fences holds no code; {a, =, (}.
+    assert torch.equal(ret.rewards, torch.tensor([0.6, 0.0, 0.2]))
+    assert [md.get("jaccard_error") for md in ret.metadata] == [None, None, None]
+
+
+def test_the_cap_counts_the_response_and_the_ground_truth():
+    env = CodeJaccardEnvironment({"max_parse_chars": 12})
+    at_cap, over = "a + b = c   ", "a + b = c    "  # 12 and 13 characters
+    logs = [_log(at_cap), _log(over), _log("a + b")]
+    metadata = [{"ground_truth": "a + b"}, {"ground_truth": "a + b"}, {"ground_truth": over}]
+    ret = env.step(logs, metadata)
+    assert torch.equal(ret.rewards, torch.tensor([0.6, 0.0, 0.0]))
+    cap = "over max_parse_chars=12; raise max_parse_chars to score it"
+    assert [md.get("jaccard_error") for md in ret.metadata] == [
+        None,
+        f"response has 13 characters, {cap}",
+        f"ground_truth has 13 characters, {cap}",
+    ]
+
+
+@pytest.mark.parametrize(
+    "poison",
+    [{"ground_truth": 10**5000}, {"ground_truth": {"code": "a + b"}}, {"ground_truth": None}, [1]],
+    ids=["huge_int", "nested", "none", "not_a_mapping"],
+)
+def test_one_poisoned_sample_scores_zero_and_the_others_are_scored(env, poison):
+    healthy = {"ground_truth": "a + b"}
+    logs = [_log("a + b"), _log("x = a + b"), _log("a + b"), _log("b")]
+    ret = env.step(logs, [healthy, healthy, poison, healthy])
+    assert torch.equal(ret.rewards, torch.tensor([1.0, 0.6, 0.0, 1 / 3]))
+    assert ret.metadata[2]["jaccard_error"] == NO_TRUTH
+    assert ret.errors is None
+
+
+def test_a_sample_that_is_not_a_message_log_scores_zero_alone(env):
+    ret = env.step([_log("a + b"), None, _log("b")], [{"ground_truth": "a + b"}] * 3)  # type: ignore[list-item]
+    assert torch.equal(ret.rewards, torch.tensor([1.0, 0.0, 1 / 3]))
+    assert ret.errors is None
 
 
 def test_contract_and_config_listing(env):
@@ -170,6 +243,7 @@ def test_contract_and_config_listing(env):
         ("num_workers", "int", 1),
         ("stop_strings", "list of str or null", None),
         ("alignment_threshold", "float", 0.5),
+        ("max_parse_chars", "int", 1_000_000),
     ]
 
 

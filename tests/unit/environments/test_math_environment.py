@@ -124,11 +124,12 @@ def test_unscorable_samples_get_zero_and_say_why_in_metadata_only(env):
     assert ret.rewards.tolist() == [0.0] * 6
     assert [o["content"] for o in ret.observations] == [INCORRECT] * 6
     why = {"verification_error": "no ground_truth in this sample's metadata"}
+    not_text = "ground_truth must be a string or a number, got list"
     assert ret.metadata == [
         why,
         why,
         {"ground_truth": None, **why},
-        {"ground_truth": ["1"], **why},
+        {"ground_truth": ["1"], "verification_error": not_text},
         {"ground_truth": "1"},
         {"ground_truth": "1"},
     ]
@@ -216,6 +217,7 @@ def test_metrics_are_exact(env):
         "math_env/mean_attempts": 1.0,
         "math_env/timeouts": 0,
         "math_env/verification_errors": 0,
+        "math_env/over_max_parse_chars": 0,
     }
 
 
@@ -259,6 +261,7 @@ def test_defaults():
         "observation_role": "environment",
         "verifier_type": "math",
         "math_verify_impl": "hf_math_verify",
+        "max_parse_chars": 1_000_000,
     }
 
 
@@ -552,3 +555,129 @@ def test_multi_reward_environment_in_a_rollout(tagged_env, tiny_tokenizer):
     assert final["total_reward"].tolist() == [3.0, 1.0]
     _, metrics = tagged_env.global_post_process_and_metrics(final)
     assert (metrics["math_env/accuracy"], metrics["math_env/timeouts"]) == (0.5, 0)
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+ADVERSARIAL = ["\\boxed{" * 300_000, "\\boxed{7}" * 120_000, "{" * 1_000_001]
+
+
+def test_megabyte_responses_over_the_default_cap_are_not_checked(env):
+    responses = [r"\boxed{7}", *ADVERSARIAL]
+    ret = env.step(logs(*responses), truths(7, 7, 7, 7))
+    assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert [o["content"] for o in ret.observations] == [CORRECT] + [INCORRECT] * 3
+    reasons = [
+        f"response has 2,100,000 characters, {OVER_CAP}",
+        f"response has 1,080,000 characters, {OVER_CAP}",  # right, but over the cap
+        f"response has 1,000,001 characters, {OVER_CAP}",
+    ]
+    assert ret.metadata == [
+        {"ground_truth": 7},
+        *[{"ground_truth": 7, "verification_error": why} for why in reasons],
+    ]
+    assert ret.answers == ["7", None, None, None]
+    assert ret.terminateds.tolist() == [True] * 4
+    batch = BatchedDataDict(
+        message_log=logs(*responses), total_reward=ret.rewards, extra_env_info=ret.metadata
+    )
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics["math_env/over_max_parse_chars"] == 3
+    assert metrics["math_env/verification_errors"] == 3
+    assert metrics["math_env/fraction_boxed"] == 0.25  # the responses over the cap are not read
+
+
+def test_every_reward_component_of_a_response_over_the_cap_is_zero(multi_env, tagged_env):
+    ret = multi_env.step(logs(r"\boxed{7}", "\\boxed{7}" * 120_000), truths("7", "7"))
+    assert ret.rewards["reward/correctness"].tolist() == [1.0, 0.0]
+    assert ret.rewards["reward/format"].tolist() == [1.0, 0.0]
+    over = "<think>a</think>\n<answer>7</answer>" + " " * 1_000_000
+    ret = tagged_env.step(logs("<think>a</think>\n<answer>7</answer>", over, "<answer>" * 200_000),
+                          truths("7", "7", "7"))  # fmt: skip
+    assert {name: r.tolist() for name, r in ret.rewards.items()} == {
+        "reward/correctness": [1.0, 0.0, 0.0],
+        "reward/integer": [1.0, 0.0, 0.0],
+        "reward/format": [1.0, 0.0, 0.0],
+    }
+    assert ret.metadata[1]["verification_error"] == f"response has 1,000,035 characters, {OVER_CAP}"
+    assert ret.metadata[2]["verification_error"] == f"response has 1,600,000 characters, {OVER_CAP}"
+
+
+def test_texts_up_to_the_cap_are_checked_and_longer_ones_are_not():
+    env = MathEnvironment(
+        {"num_workers": 1, "verify_timeout_s": TIMEOUT_S, "max_parse_chars": 2_000}
+    )
+    try:
+        noise = "Let me think. " * 142  # 1,988 characters
+        at_cap, over = f"{noise}So \\boxed{{7}}", f"{noise}So, \\boxed{{7}}"
+        assert (len(at_cap), len(over)) == (2_000, 2_001)
+        metadata = [*truths(7, 7, 7), {"ground_truth": "7" + " " * 2_000}]
+        ret = env.step(logs(at_cap, over, r"\boxed{7}", r"\boxed{7}"), metadata)
+    finally:
+        env.shutdown()
+    assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    cap = "over max_parse_chars=2,000; raise max_parse_chars to score it"
+    assert [md.get("verification_error") for md in ret.metadata] == [
+        None,
+        f"response has 2,001 characters, {cap}",
+        None,
+        f"ground_truth has 2,001 characters, {cap}",
+    ]
+
+
+HUGE_INT = (
+    "ground_truth cannot be written as text: ValueError: Exceeds the limit (4300 digits) for "
+    "integer string conversion; use sys.set_int_max_str_digits() to increase the limit"
+)
+POISONS = {
+    "huge_int": ({"ground_truth": 10**5000}, HUGE_INT),
+    "nested": (
+        {"ground_truth": {"value": "7"}},
+        "ground_truth must be a string or a number, got dict",
+    ),
+    "list": ({"ground_truth": ["7"]}, "ground_truth must be a string or a number, got list"),
+    "bool": ({"ground_truth": True}, "ground_truth must be a string or a number, got bool"),
+    "none": ({"ground_truth": None}, "no ground_truth in this sample's metadata"),
+    "missing": ({"answer": "7"}, "no ground_truth in this sample's metadata"),
+}
+
+
+@pytest.mark.parametrize("poison, why", list(POISONS.values()), ids=list(POISONS))
+def test_one_poisoned_sample_scores_zero_and_the_others_are_checked(env, poison, why):
+    """Issue 15: a ground truth of 10**5000 raised in step, and the correct \\boxed{7} in
+    the same call got no result."""
+    responses = [r"\boxed{7}", r"\boxed{7}", r"\boxed{0.5}", r"\boxed{3}"]
+    metadata = [{"ground_truth": "7"}, poison, {"ground_truth": "1/2"}, {"ground_truth": 4}]
+    ret = env.step(logs(*responses), metadata)
+    assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert [o["content"] for o in ret.observations] == [CORRECT, INCORRECT, CORRECT, INCORRECT]
+    assert ret.metadata[1] == {**poison, "verification_error": why}
+    assert [ret.metadata[i] for i in (0, 2, 3)] == [metadata[i] for i in (0, 2, 3)]
+    assert ret.answers == ["7", None, r"\frac{1}{2}", "3"]
+
+
+def test_a_poisoned_ground_truth_in_math_multi_reward(tagged_env):
+    good = "<think>2 + 2</think>\n<answer>4</answer>"
+    ret = tagged_env.step(logs(good, good, good), truths("4", 10**5000, "4"))
+    assert {name: r.tolist() for name, r in ret.rewards.items()} == {
+        "reward/correctness": [1.0, 0.0, 1.0],
+        "reward/integer": [1.0, 1.0, 1.0],  # the format rewards read the response only
+        "reward/format": [1.0, 1.0, 1.0],
+    }
+    assert ret.metadata[1]["verification_error"] == HUGE_INT
+
+
+def test_an_unusable_sample_ends_its_episode_whatever_max_attempts_says():
+    config = {"verifier_type": "english_multichoice", "max_attempts": 3, "max_parse_chars": 100}
+    env = MathEnvironment(config)  # type: ignore[arg-type]
+    batch = [*logs("Answer: B", "Answer: A", "Answer: A" + " " * 100), ["not a message"], None]
+    metadata = truths("A", 10**5000, "A", "A", "A")
+    ret = env.step(batch, metadata)
+    assert ret.rewards.tolist() == [0.0] * 5
+    # A wrong answer may try again; a bad ground truth or a response over the cap may not.
+    assert ret.terminateds.tolist() == [False, True, True, False, False]
+    assert ret.metadata[1]["verification_error"] == HUGE_INT
+    assert ret.metadata[2]["verification_error"] == (
+        "response has 109 characters, over max_parse_chars=100; raise max_parse_chars to score it"
+    )

@@ -215,6 +215,8 @@ def test_metrics_are_exact(rm_dir):
     assert metrics == {
         "reward_model_env/num_samples": 4,
         "reward_model_env/num_truncated": 0,
+        "reward_model_env/num_unscored": 0,
+        "reward_model_env/num_over_max_parse_chars": 0,
         "reward_model_env/mean_reward": 2.5,
         "reward_model_env/std_reward": pytest.approx(math.sqrt(1.25)),
         "reward_model_env/min_reward": 1.0,
@@ -224,6 +226,107 @@ def test_metrics_are_exact(rm_dir):
     assert (
         empty["reward_model_env/num_samples"] == 0 and empty["reward_model_env/mean_reward"] == 0.0
     )
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+
+
+def qa(response: str, question: str = "Question?") -> list[dict[str, str]]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": response}]
+
+
+def test_megabyte_conversations_over_the_default_cap_are_not_tokenized(rm_dir):
+    env = make_env(rm_dir)
+    logs = [LOGS[0], qa("<answer>" * 150_000), qa("x" * 600_000, "y" * 600_000), LOGS[2]]
+    ret = env.step(logs, [{"id": i} for i in range(4)])
+    alone = env.step([LOGS[0], LOGS[2]], [None, None]).rewards
+    assert ret.rewards[[0, 3]].tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+    assert ret.rewards[1:3].tolist() == [0.0, 0.0]
+    reasons = [
+        f"conversation has 1,200,009 characters, {OVER_CAP}",
+        f"conversation has 1,200,000 characters, {OVER_CAP}",  # the prompt counts too
+    ]
+    assert ret.metadata == [
+        {"id": 0},
+        {"id": 1, "reward_model_error": reasons[0]},
+        {"id": 2, "reward_model_error": reasons[1]},
+        {"id": 3},
+    ]
+    assert [o["content"] for o in ret.observations[1:3]] == [
+        f"Environment: reward 0 (not scored: {why})" for why in reasons
+    ]
+    assert ret.answers == [LOGS[0][-1]["content"], None, None, LOGS[2][-1]["content"]]
+    _, metrics = env.global_post_process_and_metrics(BatchedDataDict(total_reward=ret.rewards))
+    assert metrics["reward_model_env/num_unscored"] == 2
+    assert metrics["reward_model_env/num_over_max_parse_chars"] == 2
+
+
+def test_a_megabyte_conversation_under_the_default_cap_is_cut_and_scored(rm_dir):
+    env = make_env(rm_dir)
+    log = qa("<answer>" * 110_000)  # 880,009 characters: 440,000+ tokens, cut to 512
+    ret = env.step([log, LOGS[0]], [{"id": 0}, {"id": 1}])
+    full = env.tokenizer(env.tokenizer.apply_chat_template(log, tokenize=False))["input_ids"]
+    with torch.no_grad():
+        expected = env.model(input_ids=torch.tensor([full[-512:]])).logits[0, 0].item()
+    assert ret.rewards[0].item() == pytest.approx(expected, abs=1e-5)
+    assert ret.metadata == [{"id": 0}, {"id": 1}]
+    _, metrics = env.global_post_process_and_metrics(BatchedDataDict(total_reward=ret.rewards))
+    assert (
+        metrics["reward_model_env/num_truncated"],
+        metrics["reward_model_env/num_unscored"],
+    ) == (1, 0)
+
+
+def test_conversations_up_to_the_cap_are_scored_and_longer_ones_are_not(rm_dir):
+    capped = make_env(rm_dir, max_parse_chars=100)
+    at_cap, over = qa("a" * 91), qa("a" * 92)  # 9 + 91 and 9 + 92 characters
+    ret = capped.step([at_cap, over], [None, None])
+    assert ret.rewards[0].item() == pytest.approx(
+        make_env(rm_dir).step([at_cap], [None]).rewards.item(), abs=1e-5
+    )
+    assert ret.rewards[1].item() == 0.0
+    assert ret.metadata == [
+        None,
+        {
+            "reward_model_error": "conversation has 101 characters, over max_parse_chars=100; "
+            "raise max_parse_chars to score it"
+        },
+    ]
+    with pytest.raises(ValueError, match="conversation has 101 characters"):
+        capped.preprocess_data([over])
+
+
+POISONS = {
+    "content_huge_int": (
+        [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": 10**5000}],
+        "message 1 is not a {'role': str, 'content': str} dict",
+    ),
+    "content_parts": (
+        [{"role": "assistant", "content": [{"type": "text", "text": "hi"}]}],
+        "message 0 is not a {'role': str, 'content': str} dict",
+    ),
+    "missing_content": (
+        [{"role": "user"}],
+        "message 0 is not a {'role': str, 'content': str} dict",
+    ),
+    "not_a_list": (None, "expected a list of messages, got NoneType"),
+    "empty": ([], "empty conversation"),
+}
+
+
+@pytest.mark.parametrize("poison, why", list(POISONS.values()), ids=list(POISONS))
+def test_one_poisoned_conversation_scores_zero_and_the_others_are_scored(rm_dir, poison, why):
+    env = make_env(rm_dir, batch_size=2)
+    metadata = [{"ground_truth": 10**5000}, {"id": 1}, None]  # metadata is never read
+    ret = env.step([LOGS[0], poison, LOGS[2]], metadata)
+    alone = make_env(rm_dir).step([LOGS[0], LOGS[2]], [None, None]).rewards
+    assert ret.rewards[[0, 2]].tolist() == pytest.approx(alone.tolist(), abs=1e-5)
+    assert ret.rewards[1].item() == 0.0
+    assert ret.metadata[0] is metadata[0] and ret.metadata[2] is None
+    assert ret.metadata[1] == {"id": 1, "reward_model_error": why}
+    assert ret.observations[1]["content"] == f"Environment: reward 0 (not scored: {why})"
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -379,6 +482,7 @@ def test_none_means_defaults_and_ray_options_come_from_resources():
         "batch_size": 32,
         "checkpoint_path": None,
         "max_model_len": 4096,
+        "max_parse_chars": 1_000_000,
         "resources": {"num_cpus": 1, "num_gpus": 0},
         "reward_model_cfg": {"enabled": True, "reward_model_type": "bradley_terry"},
         "dynamic_batching": {"enabled": True, "logprob_mb_tokens": 32768,

@@ -213,6 +213,7 @@ def test_metrics_in_characters(env):
         "vlm_env/fraction_properly_ended": pytest.approx(2 / 3),  # the third has no </answer>
         "vlm_env/mean_generation_chars": pytest.approx(sum(lengths) / 3),
         "vlm_env/num_samples": 3.0,
+        "vlm_env/over_max_parse_chars": 0.0,
     }
 
 
@@ -241,6 +242,89 @@ def test_metrics_of_an_empty_batch(env):
     empty = BatchedDataDict(message_log=[], extra_env_info=[], total_reward=torch.zeros(0))
     _, metrics = env.global_post_process_and_metrics(empty)
     assert metrics["vlm_env/accuracy"] == 0.0 and metrics["vlm_env/num_samples"] == 0.0
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+ADVERSARIAL = ["<answer>" * 200_000, "[1, 2, " * 200_000, "<answer>7</answer>" * 60_000]
+
+
+def answer_logs(*responses):
+    return [
+        [{"role": "user", "content": "?"}, {"role": "assistant", "content": r}] for r in responses
+    ]
+
+
+def test_megabyte_responses_over_the_default_cap_are_not_parsed(env):
+    responses = ["<answer>7</answer>", *ADVERSARIAL]
+    ret = env.step(answer_logs(*responses), [{"ground_truth": "7"}] * 4)
+    assert ret.rewards.tolist() == pytest.approx([0.9, 0.0, 0.0, 0.0])
+    reasons = [
+        f"response has 1,600,000 characters, {OVER_CAP}",
+        f"response has 1,400,000 characters, {OVER_CAP}",
+        f"response has 1,080,000 characters, {OVER_CAP}",  # right, but over the cap
+    ]
+    assert [md["reward_errors"] for md in ret.metadata] == [[], *[[why] for why in reasons]]
+    assert contents(ret.observations) == [
+        "Environment: correct",
+        *[f"Environment: incorrect ({why})" for why in reasons],
+    ]
+    assert ret.answers == ["7", None, None, None]
+    _, metrics = env.global_post_process_and_metrics(_finished_batch(answer_logs(*responses), ret))
+    assert metrics["vlm_env/over_max_parse_chars"] == 3.0
+    assert metrics["vlm_env/reward_error_rate"] == 0.75
+
+
+def test_texts_up_to_the_cap_are_scored_and_longer_ones_are_not(make_env):
+    env = make_env(
+        {"reward_functions": [{"name": "bbox_giou", "weight": 1}], "max_parse_chars": 2_000}
+    )
+    noise = "[1, 2, " * 290  # 2,030 characters
+    box = "<answer>[0, 0, 10, 10]</answer>"  # 31
+    responses = [noise[:1_969] + box, noise[:1_970] + box, box, box]
+    truth = [0, 0, 10, 10]
+    metadata = [*[{"ground_truth": truth}] * 3, {"ground_truth": "[0, 0, 10, 10]" + " " * 2_000}]
+    ret = env.step(answer_logs(*responses), metadata)
+    assert ret.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    cap = "over max_parse_chars=2,000; raise max_parse_chars to score it"
+    assert [md["reward_errors"] for md in ret.metadata] == [
+        [],
+        [f"response has 2,001 characters, {cap}"],
+        [],
+        [f"ground_truth has 2,014 characters, {cap}"],
+    ]
+
+
+HUGE_INT = (
+    "exact_alnum: ValueError: Exceeds the limit (4300 digits) for integer string conversion; "
+    "use sys.set_int_max_str_digits() to increase the limit"
+)
+NO_TRUTH = "metadata: no 'ground_truth' for this sample"
+POISONS = {  # metadata: (reward of "<answer>7</answer>", reward_errors)
+    "huge_int": ({"ground_truth": 10**5000}, 0.1, [HUGE_INT]),  # format still scores
+    "nested": ({"ground_truth": {"answer": "7"}}, 0.1, []),  # read as text: not "7"
+    "none": ({"ground_truth": None}, 0.0, [NO_TRUTH]),
+    "missing": ({"answer": "7"}, 0.0, [NO_TRUTH]),
+    "not_a_mapping": (["7"], 0.0, [NO_TRUTH]),
+}
+
+
+@pytest.mark.parametrize("poison, reward, errors", list(POISONS.values()), ids=list(POISONS))
+def test_one_poisoned_sample_is_isolated_and_the_others_are_scored(env, poison, reward, errors):
+    responses = ["<answer>7</answer>", "<answer>7</answer>", "<think>t</think><answer>7</answer>"]
+    metadata = [{"ground_truth": "7"}, poison, {"ground_truth": 7}]
+    ret = env.step(answer_logs(*responses), metadata)
+    assert ret.rewards.tolist() == pytest.approx([0.9, reward, 1.0])
+    assert [md["reward_errors"] for md in ret.metadata] == [[], errors, []]
+    assert [md["correct"] for md in ret.metadata] == [True, False, True]
+    if errors:
+        assert contents(ret.observations)[1] == f"Environment: incorrect ({errors[0]})"
+
+
+def test_a_sample_that_is_not_a_message_log_scores_zero_alone(env):
+    ret = env.step([*answer_logs("<answer>7</answer>"), None], [{"ground_truth": "7"}] * 2)
+    assert ret.rewards.tolist() == pytest.approx([0.9, 0.0])
 
 
 RAY_CONFIG = {

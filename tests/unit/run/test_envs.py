@@ -43,6 +43,7 @@ def test_env_metrics_per_task_from_records():
             "sliding_puzzle_env/mean_moves": 2.0,
             "sliding_puzzle_env/invalid_move_rate": 0.0,
             "sliding_puzzle_env/move_limit_rate": 0.0,
+            "sliding_puzzle_env/over_max_parse_chars": 0,
         }
     }
 

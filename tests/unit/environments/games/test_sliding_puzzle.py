@@ -7,6 +7,7 @@ from functools import cache
 import pytest
 
 from envloop.config.errors import ConfigError
+from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments import check_env
 from envloop.environments.games.sliding_puzzle import (
     DEFAULT_CONFIG,
@@ -301,7 +302,102 @@ def test_metrics():
         "sliding_puzzle_env/mean_moves": pytest.approx(10 / 3),
         "sliding_puzzle_env/invalid_move_rate": pytest.approx(3 / 10),
         "sliding_puzzle_env/move_limit_rate": pytest.approx(1 / 3),
+        "sliding_puzzle_env/over_max_parse_chars": 0,
     }
+
+
+# --- max_parse_chars and poisoned samples -------------------------------------------------
+
+OVER_CAP = "over max_parse_chars=1,000,000; raise max_parse_chars to score it"
+ADVERSARIAL = ["slide 1 " * 150_000, "<action>" * 200_000, "<action>slide 1 " * 75_000]
+
+
+def replies(env, metadata, texts):
+    logs = [[{"role": "user", "content": "go"}, {"role": "assistant", "content": t}] for t in texts]
+    return env.step(logs, metadata)
+
+
+def test_megabyte_replies_over_the_default_cap_are_not_played():
+    env = SlidingPuzzleEnv()
+    start = episode(NEARLY)
+    ret = replies(env, [start] * 4, ["<action>left</action>", *ADVERSARIAL])
+    assert ret.rewards.tolist() == [0.0] * 4
+    assert ret.terminateds.tolist() == [False, True, True, True]
+    assert ret.metadata[0]["moves_made"] == 1
+    reasons = [f"response has {len(r):,} characters, {OVER_CAP}" for r in ADVERSARIAL]
+    assert reasons[0] == f"response has 1,200,000 characters, {OVER_CAP}"
+    assert ret.metadata[1:] == [{**start, "puzzle_error": why} for why in reasons]
+    assert [o["content"] for o in ret.observations[1:]] == [
+        f"Not played, so the episode ends with reward 0: {why}." for why in reasons
+    ]
+    assert ret.answers == ["left", None, None, None]
+    logs = [[{"role": "assistant", "content": t}] for t in ["<action>left</action>", *ADVERSARIAL]]
+    batch = BatchedDataDict(message_log=logs, extra_env_info=ret.metadata)
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics["sliding_puzzle_env/over_max_parse_chars"] == 3
+    assert metrics["sliding_puzzle_env/num_episodes"] == 4  # unplayed, their boards still count
+
+
+def test_replies_up_to_the_cap_are_played_exactly():
+    env = SlidingPuzzleEnv({"max_parse_chars": 2_000, "move_penalty": 0.5})
+    texts = ["slide 1 " * 247 + "<action>left</action>", "slide 1 " * 250, "slide 1 " * 250 + "!"]
+    assert [len(t) for t in texts] == [1_997, 2_000, 2_001]
+    ret = replies(env, [episode(NEARLY)] * 3, texts)
+    assert ret.rewards.tolist() == [-0.5, -0.5, 0.0]
+    assert ret.terminateds.tolist() == [False, False, True]
+    assert [md["board"] for md in ret.metadata[:2]] == [
+        [[1, 2, 3], [4, 5, 6], [7, 0, 8]], NEARLY,
+    ]  # fmt: skip
+    assert ret.observations[1]["content"].startswith(NO_ACTION)
+    assert ret.metadata[2]["puzzle_error"] == (
+        "response has 2,001 characters, over max_parse_chars=2,000; raise max_parse_chars to "
+        "score it"
+    )
+
+
+POISONS = {
+    "none": None,
+    "not_a_mapping": [[1, 2, 3]],
+    "missing_key": {k: v for k, v in episode(NEARLY).items() if k != "moves_made"},
+    "huge_int": {**episode(NEARLY), "size": 10**5000},
+    "huge_int_tile": {**episode(NEARLY), "board": [[1, 2, 3], [4, 5, 6], [0, 7, 10**5000]]},
+    "nested": {**episode(NEARLY), "board": {"rows": NEARLY}},
+    "str_counts": {**episode(NEARLY), "moves_made": "0"},
+}
+
+
+@pytest.mark.parametrize("poison", list(POISONS.values()), ids=list(POISONS))
+def test_one_poisoned_sample_fails_alone_and_the_others_play(poison):
+    env = SlidingPuzzleEnv()
+    texts = ["<action>left</action>", "<action>up</action>", "<action>left</action>"]
+    ret = replies(env, [episode(NEARLY), poison, episode(NEARLY)], texts)
+    assert ret.rewards.tolist() == [0.0, 0.0, 0.0]
+    assert ret.terminateds.tolist() == [False, True, False]
+    assert [md["board"] for md in (ret.metadata[0], ret.metadata[2])] == [
+        [[1, 2, 3], [4, 5, 6], [7, 0, 8]]
+    ] * 2
+    # The poisoned sample fails through `errors` (the rollout records it, loss_multiplier 0);
+    # its metadata comes back unchanged, and metrics leave it out.
+    assert ret.errors[0] is None and ret.errors[2] is None
+    assert ret.errors[1].startswith(
+        "SlidingPuzzleEnv.step_sample raised envloop.config.errors.ConfigError: Invalid "
+        "sliding_puzzle episode metadata (use new_episode_metadata):\n  - "
+    )
+    assert ret.metadata[1] is poison
+    batch = BatchedDataDict(extra_env_info=ret.metadata)
+    _, metrics = env.global_post_process_and_metrics(batch)
+    assert metrics["sliding_puzzle_env/num_episodes"] == 2
+    assert metrics["sliding_puzzle_env/mean_moves"] == 1.0
+
+
+def test_an_int_too_long_to_print_is_reported_as_a_metadata_problem():
+    env = SlidingPuzzleEnv()
+    with pytest.raises(ConfigError) as info:
+        reply(env, {**episode(NEARLY), "size": 10**5000}, "<action>left</action>")
+    assert info.value.problems == [
+        "ValueError: Exceeds the limit (4300 digits) for integer string conversion; use "
+        "sys.set_int_max_str_digits() to increase the limit"
+    ]
 
 
 CHECK_LOGS = [
