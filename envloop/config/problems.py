@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -82,11 +83,11 @@ def _message(error: dict[str, Any]) -> str:
         limit = next(iter(ctx.values()))
         if isinstance(limit, float) and limit.is_integer():
             limit = int(limit)  # a float field's bound reads as written: ">= 0", not ">= 0.0"
-        return f"must be {bounds[kind]} {limit}, got {value!r}"
+        return f"must be {bounds[kind]} {limit}, got {_shown(value)}"
     if kind == "value_error":  # a validator's own problem line (e.g. options in conflict)
         return str(ctx.get("error", error["msg"]))
     if kind == "finite_number":
-        return f"must be a finite number, got {value!r}"
+        return f"must be a finite number, got {_shown(value)}"
     if kind in ("extra_forbidden", "unexpected_keyword_argument"):
         name = str(error["loc"][-1])
         close = difflib.get_close_matches(name, error["known"], n=1)
@@ -97,18 +98,35 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "literal_error":
         expected = ctx.get("expected", "")
         names = re.findall(r"'([^']*)'", expected) or re.split(r", | or ", expected)
-        close = difflib.get_close_matches(str(value), names, n=1)
+        close = difflib.get_close_matches(_shown(value, 200).strip("'"), names, n=1)
         hint = f". Did you mean {close[0]!r}?" if close else ""
-        return f"{value!r} is not one of {', '.join(names)}{hint}"
+        return f"{_shown(value)} is not one of {', '.join(names)}{hint}"
     if kind in ("too_short", "string_too_short"):
         what = "item" if kind == "too_short" else "character"
         count = ctx["min_length"]
-        return f"must have at least {count} {what}{'s' * (count != 1)}, got {value!r}"
+        return f"must have at least {count} {what}{'s' * (count != 1)}, got {_shown(value)}"
     return f"{error['msg'][0].lower()}{error['msg'][1:]}"
 
 
 def _expected(annotation: Any, value: Any) -> str:
-    return f"expected {_type_name(annotation)}, got {type(value).__name__} ({value!r:.40})"
+    return f"expected {_type_name(annotation)}, got {type(value).__name__} ({_shown(value, 40)})"
+
+
+def _shown(value: Any, limit: int | None = None) -> str:
+    """``repr(value)``, cut to ``limit`` characters; a value whose repr fails (an int past
+    Python's 4,300-digit limit, inside a container or not) is described instead.
+
+    >>> _shown("abc"), _shown(10**5000), _shown([1, 10**5000], 10)
+    ("'abc'", 'an int of about 5001 digits', 'a list tha')
+    """
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            text = f"an int of about {int(math.log10(abs(value))) + 1} digits"
+        else:
+            text = f"a {type(value).__name__} that cannot be printed"
+    return text if limit is None else text[:limit]
 
 
 def _type_name(annotation: Any) -> str:

@@ -24,7 +24,7 @@ class SandboxLimitsConfig(TypedDict, total=False):
         float, Field(10.0, gt=0, description="wall-clock limit of a run's code, replays included")
     ]
     cpu_time_s: Annotated[
-        int, Field(10, ge=1, description="CPU seconds of one run, start-up included")
+        int, Field(10, ge=1, description="CPU seconds of the process running the code")
     ]
     memory_mb: Annotated[
         int, Field(1024, ge=64, description="address-space limit (>= 64: Python needs ~30 MB)")

@@ -115,3 +115,18 @@ def test_a_union_reports_the_member_the_value_fits_or_else_the_whole_union(confi
     """A value with one member's type that fails inside it gets that member's problems only;
     a value of no member's type gets one line naming every member."""
     assert config_problems(Unions, config) == problems
+
+
+@pytest.mark.parametrize(
+    ("config", "problems"),
+    [
+        ({"budget": -(10**5000)}, ["budget: must be >= 1, got an int of about 5001 digits"]),
+        ({"tokenizer": 10**5000},
+         ["tokenizer: expected str | dict | None, got int (an int of about 5001 digits)"]),
+        ({"label": [10**5000]},
+         ["label: expected str | int, got list (a list that cannot be printed)"]),
+    ],
+)  # fmt: skip
+def test_values_too_long_to_print_are_reported_not_raised(config, problems):
+    """Python refuses to print ints past 4,300 digits; a problem describes them instead."""
+    assert config_problems(Unions, config) == problems
