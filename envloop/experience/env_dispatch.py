@@ -344,8 +344,9 @@ class EnvDispatcher:
     def _failure(self, task: str, exc: BaseException) -> str:
         if isinstance(exc, _ActorTimeout):
             text = (
-                f"env {task}.step timed out after {self.timeout_s} s; its actor was restarted "
-                "(Ray cannot stop a running step, and later steps would wait behind it)"
+                f"env {task}.step timed out after {self.timeout_s} s; its actor was killed for "
+                "Ray to restart (Ray cannot stop a running step, and later steps would queue "
+                "behind it)"
             )
         elif isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
             text = f"env {task}.step timed out after {self.timeout_s} s"
@@ -367,7 +368,7 @@ class _NotStarted(RuntimeError):
 
 
 class _ActorTimeout(TimeoutError):
-    """An actor's step timed out, and the actor was restarted."""
+    """An actor's step timed out, and the actor was killed for Ray to restart."""
 
 
 @dataclass

@@ -117,7 +117,7 @@ def test_slow_actor_times_out(ray_session, tiny_tokenizer):
         final, _ = _run(tiny_tokenizer, envs, env_step_timeout_s=5.0)
     finally:
         ray_session.kill(envs["calc"])  # its step sleeps on: cancelling does not stop a sleep
-    timed_out = "env calc.step timed out after 5.0 s; its actor was restarted"
+    timed_out = "env calc.step timed out after 5.0 s; its actor was killed for Ray to restart"
     assert final["env_error"][1].startswith(timed_out)
     assert final["total_reward"][0].item() == 1.0
 

@@ -65,8 +65,8 @@ def test_a_step_that_hangs_does_not_hold_up_later_rollouts_on_the_same_handle(
             policy, batch, tiny_tokenizer, envs, 256, max_rollout_turns=1, env_step_timeout_s=3
         )
         assert final["env_error"][0] == (
-            "env h.step timed out after 3.0 s; its actor was restarted (Ray cannot stop a "
-            "running step, and later steps would wait behind it)"
+            "env h.step timed out after 3.0 s; its actor was killed for Ray to restart (Ray "
+            "cannot stop a running step, and later steps would queue behind it)"
         )
         assert final["env_error"][1] is None and final["total_reward"].tolist() == [0.0, 0.5]
         [hung_pid] = [int(line) for line in calls.read_text().split()]
@@ -135,7 +135,7 @@ def test_the_async_engine_bounds_start_up_and_hung_steps_too(
         )  # fmt: skip
         errors = final["env_error"]
         assert errors[0].startswith("env n did not start within env_startup_timeout_s=2.0 s")
-        assert errors[1].startswith("env h.step timed out after 3.0 s; its actor was restarted")
+        assert errors[1].startswith("env h.step timed out after 3.0 s; its actor was killed for")
         assert errors[2] is None and final["total_reward"].tolist() == [0.0, 0.0, 0.5]
         [hung_pid] = [int(line) for line in calls.read_text().split()]
 

@@ -43,8 +43,8 @@ def step(envs, task_names=TASKS, **options) -> list[GroupResult]:
 
 
 ACTOR_TIMEOUT = (
-    "env {task}.step timed out after {s} s; its actor was restarted (Ray cannot stop a "
-    "running step, and later steps would wait behind it)"
+    "env {task}.step timed out after {s} s; its actor was killed for Ray to restart (Ray "
+    "cannot stop a running step, and later steps would queue behind it)"
 )
 
 

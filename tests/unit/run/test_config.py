@@ -60,9 +60,10 @@ def test_minimal_config_gets_every_default(config_file):
     }  # fmt: skip
     assert resolved["rollout"] == {
         "observation_format": "raw", "env_step_timeout_s": None, "env_startup_timeout_s": 600.0,
-        "on_env_error": "record", "env_max_retries": 1, "max_concurrent_samples": None, "coalesce_window_s": 0.002,
-        "max_coalesced_samples": 256, "max_seq_len": 512, "max_turns": 4,
-        "generations_per_prompt": 1, "batch_size": 64, "mode": "sync", "greedy": False,
+        "on_env_error": "record", "env_max_retries": 1, "max_concurrent_samples": None,
+        "coalesce_window_s": 0.002, "max_coalesced_samples": 256, "max_seq_len": 512,
+        "max_turns": 4, "generations_per_prompt": 1, "batch_size": 64, "mode": "sync",
+        "greedy": False,
     }  # fmt: skip
     assert resolved["data"]["columns"] == {
         "prompt": "prompt", "ground_truth": "ground_truth", "task": "task",
