@@ -21,7 +21,8 @@ _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)(: |$)")
 
 
 class EnvStartError(RuntimeError):
-    """An environment actor failed to start (its constructor raised)."""
+    """An environment actor failed to start (its constructor raised, or did not return in
+    time)."""
 
 
 def start_envs(envs: Mapping[str, EnvConfig]) -> dict[str, Any]:
@@ -61,14 +62,28 @@ def check_gpus(task: str, options: Mapping[str, Any]) -> None:
         )
 
 
-def wait_until_ready(handles: Mapping[str, Any], envs: Mapping[str, EnvConfig]) -> None:
-    """Block until every actor has run its constructor; :class:`EnvStartError` naming the
-    task and the constructor's error when one failed."""
+def wait_until_ready(
+    handles: Mapping[str, Any], envs: Mapping[str, EnvConfig], timeout_s: float | None = None
+) -> None:
+    """Block until every actor has run its constructor, at most ``timeout_s`` seconds (None:
+    no limit); :class:`EnvStartError` naming the task and the constructor's error when one
+    failed, or the actors not started in time (a run whose environment never starts would
+    only fail its samples, batch after batch)."""
     import ray
 
-    for task, handle in handles.items():
+    refs = {task: handle.__ray_ready__.remote() for task, handle in handles.items()}
+    _, waiting = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    late = [task for task, ref in refs.items() if ref in waiting]
+    if late:
+        names = ", ".join(f"envs.{t} ({envs[t].name!r})" for t in late)
+        raise EnvStartError(
+            f"{names} did not start within rollout.env_startup_timeout_s={timeout_s} s: the "
+            "constructor is still running. Raise rollout.env_startup_timeout_s if it needs "
+            "longer (loading a large reward model), or fix what it waits for."
+        )
+    for task, ref in refs.items():
         try:
-            ray.get(handle.__ray_ready__.remote())
+            ray.get(ref)
         except ray.exceptions.RayError as exc:
             raise EnvStartError(
                 f"envs.{task}: environment {envs[task].name!r} failed to start: "

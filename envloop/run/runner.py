@@ -91,7 +91,7 @@ def run(
         _check_takes_images(config, policy)
         batch = inputs.rollout_batch(config)  # tokenized before Ray started
         with startup.phase("envs_wait"):
-            wait_until_ready(envs, config.envs)
+            wait_until_ready(envs, config.envs, config.rollout.env_startup_timeout_s)
         progress = Progress(batch.size, out, quiet, per_sample=config.rollout.mode == "async")
         if isinstance(policy, HfGeneration):  # a live token count while it generates
             policy.on_decode_step = progress.on_tokens

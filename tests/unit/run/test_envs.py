@@ -67,3 +67,37 @@ def test_check_gpus_refuses_more_gpus_than_the_ray_session_has(ray_session):
         f"{gpus:g}; set its config's resources (e.g. resources.gpus_per_node: 0 to run on CPU) "
         "or start envloop on a machine or cluster with GPUs."
     )
+
+
+@pytest.mark.ray
+def test_a_run_whose_environment_never_starts_stops_with_the_timeout_named(ray_session, tmp_path):
+    from envloop.run.config_sections import EnvConfig
+    from envloop.run.envs import wait_until_ready
+    from tests.fixtures.containment_envs import NeverStartsEnv
+    from tests.fixtures.envs import EchoEnv
+
+    release = tmp_path / "release"
+    handles = {
+        "echo": EchoEnv.options(num_cpus=0).remote(),
+        "slow": NeverStartsEnv.options(num_cpus=0).remote(str(release), str(tmp_path / "c")),
+    }
+    envs = {
+        "echo": EnvConfig(name="tests.fixtures.envs:EchoEnv"),
+        "slow": EnvConfig(name="tests.fixtures.containment_envs:NeverStartsEnv"),
+    }
+    try:
+        ray_session.get(handles["echo"].__ray_ready__.remote())
+        with pytest.raises(EnvStartError) as info:
+            wait_until_ready(handles, envs, timeout_s=2.0)
+        assert str(info.value) == (
+            "envs.slow ('tests.fixtures.containment_envs:NeverStartsEnv') did not start within "
+            "rollout.env_startup_timeout_s=2.0 s: the constructor is still running. Raise "
+            "rollout.env_startup_timeout_s if it needs longer (loading a large reward model), "
+            "or fix what it waits for."
+        )
+        release.touch()
+        wait_until_ready(handles, envs, timeout_s=None)  # started once released
+    finally:
+        release.touch()
+        for handle in handles.values():
+            ray_session.kill(handle)
