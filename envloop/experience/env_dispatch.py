@@ -241,18 +241,16 @@ class EnvDispatcher:
         """Wait for the constructors of the groups' actors not known started, so start-up
         never counts against the step timeout (nor in the step's timing); each actor at most
         ``startup_timeout_s`` from the first wait for it. The steps of an environment that
-        did not start in time fail with an error naming it.
+        has not started by then fail with an error naming it (until it does start).
 
         A constructor that raised surfaces on the group's first step, as that step's error.
         """
-        actors = {
-            t: self.task_to_env[t]
-            for t in groups
-            if t not in self._not_started and is_actor(self.task_to_env[t])
-        }
-        late = self._gate.wait(list(actors.values()))
+        actors = {t: self.task_to_env[t] for t in groups if is_actor(self.task_to_env[t])}
+        late = self._gate.wait(list(actors.values()))  # at once for an actor already late
         for task, actor in actors.items():
-            if actor._actor_id.binary() in late:
+            if actor._actor_id.binary() not in late:
+                self._not_started.pop(task, None)  # started, perhaps after its deadline
+            else:
                 self._not_started[task] = (
                     f"env {task} did not start within env_startup_timeout_s="
                     f"{self.startup_timeout_s} s (its actor's constructor is still running); "
