@@ -171,20 +171,9 @@ def _metadata_problem(metadata: Any) -> str | None:
         return None
     if not isinstance(metadata, Mapping):
         return f"metadata: expected a mapping, got {type(metadata).__name__}"
-    problems = [
-        problem
-        for key, value in metadata.items()
-        if key in CodeEnvMetadata.__annotations__
-        for problem in _key_problems(key, value)
-    ]
+    own = {k: v for k, v in metadata.items() if k in CodeEnvMetadata.__annotations__}
+    problems = validation.config_problems(CodeEnvMetadata, own)
     return "metadata: " + "; ".join(problems) if problems else None
-
-
-def _key_problems(key: str, value: Any) -> list[str]:
-    try:
-        return validation.config_problems(CodeEnvMetadata, {key: value})
-    except Exception as exc:  # a value that cannot even be printed (an int past 4,300 digits)
-        return [f"{key}: {type(exc).__name__}: {exc}"]
 
 
 def _unscored(metadata: CodeEnvMetadata | None, why: str) -> SampleStep:
