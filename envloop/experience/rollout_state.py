@@ -22,7 +22,9 @@ from envloop.experience.turn_steps import (
     Responses,
     assistant_message,
     check_generation_output,
+    cut_content,
     fit_observation,
+    observation_text,
     split_owned,
     split_responses,
 )
@@ -223,7 +225,11 @@ def append_observations(
             state.truncated[i] = True
             if vision:  # images cannot be cut: the whole observation goes
                 kept, vision = [], {}
-            obs = {"role": obs["role"], "content": text_tokenizer(tokenizer).decode(kept)}
+            content = text_tokenizer(tokenizer).decode(kept)
+            if kept and isinstance(obs["content"], str):  # without the template's markup
+                rendered = observation_text(obs, renderer, ended_with_eos[i])
+                content = cut_content(rendered, obs["content"], content)
+            obs = {"role": obs["role"], "content": content}
         if kept or not truncated:  # an empty observation that fits is still a message
             kept_items.append((i, obs))
             kept_ids.append(kept)

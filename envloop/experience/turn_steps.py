@@ -109,6 +109,26 @@ def observation_text(
     return renderer.render(observation["role"], observation["content"], ended_with_eos)
 
 
+def cut_content(rendered: str, content: str, kept_text: str) -> str:
+    """The content of an observation cut to its first tokens: the part of ``kept_text`` (the
+    kept tokens decoded) that falls on ``content`` within ``rendered`` (what was tokenized:
+    the content itself, or its chat-template rendering), so the chat template's markup never
+    becomes message content. A template that does not carry the content verbatim gives the
+    kept text as it is.
+
+    >>> cut_content("<e><user>hello world<e><assistant>", "hello world", "<e><user>hello")
+    'hello'
+    >>> cut_content("<e><user>hello world<e><assistant>", "hello world", "<e><us")
+    ''
+    >>> cut_content("raw text", "raw text", "raw")
+    'raw'
+    """
+    start = rendered.find(content) if content else -1
+    if start < 0:
+        return kept_text
+    return kept_text[start : start + len(content)]
+
+
 def fit_observation(token_ids: list[int], length: int, max_seq_len: int) -> tuple[list[int], bool]:
     """The observation tokens that fit after ``length`` tokens, and whether it was truncated.
 

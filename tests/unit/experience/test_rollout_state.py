@@ -381,6 +381,28 @@ def test_an_observation_past_max_seq_len_is_cut_to_fit(tiny_tokenizer):
     assert state.truncated.tolist() == [True] and state.env_tokens.tolist() == [3]
 
 
+def test_a_cut_chat_template_observation_keeps_only_its_own_text_as_content(chat_tokenizer):
+    renderer = ObservationRenderer(chat_tokenizer)
+    text = "The quick brown fox jumps over the lazy dog"
+    rendered = renderer.render("user", text, response_ended_with_eos=True)
+    full = encode(chat_tokenizer, rendered)
+    head = len(encode(chat_tokenizer, rendered[: rendered.index(text)]))  # the turn's markup
+    keep = head + 3  # the markup and a few tokens of the text
+    batch = echo_batch(chat_tokenizer, "a")
+    response = len(encode(chat_tokenizer, "ok")) + 1  # and EOS
+    state = RolloutState.start(batch, chat_tokenizer, batch["length"][0] + response + keep)
+    assert take_generation(state, chat_tokenizer, lambda prompt: "ok").ended_with_eos == [True]
+    append_observations(
+        state, [GroupResult("echo", [0], observations(text))], {0: True}, chat_tokenizer, renderer
+    )
+    cut = state.message_logs[0][-1]
+    assert cut["token_ids"].tolist() == full[:keep] and state.truncated.tolist() == [True]
+    kept_text = chat_tokenizer.decode(full[:keep])
+    assert cut["content"] == kept_text[rendered.index(text) :]  # no template markup
+    assert text.startswith(cut["content"]) and 0 < len(cut["content"]) < len(text)
+    assert state.env_views[0][-1]["content"] == cut["content"]
+
+
 def test_an_observation_that_just_fills_max_seq_len_is_kept_whole_and_truncates(tiny_tokenizer):
     batch = echo_batch(tiny_tokenizer, "a")
     response = len(encode(tiny_tokenizer, "ok")) + 1
