@@ -34,7 +34,7 @@ import sys
 import types
 import typing
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typing_extensions
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -61,7 +61,13 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 """A string field that may not be empty (names, paths, stop strings)."""
 
 
-class _ConfigClass(type(BaseModel)):  # type: ignore[misc]
+if TYPE_CHECKING:  # pydantic's metaclass by its private name, for type checkers only
+    from pydantic._internal._model_construction import ModelMetaclass as _ModelClass
+else:
+    _ModelClass = type(BaseModel)
+
+
+class _ConfigClass(_ModelClass):
     """Constructing a config class (``HfGenerationConfig(...)``) raises a
     :class:`ConfigError`. Here, not in ``__init__``: pydantic validates a nested section by
     calling an overridden ``__init__``, and the section's problems must stay its parent's,
@@ -71,7 +77,8 @@ class _ConfigClass(type(BaseModel)):  # type: ignore[misc]
         try:
             return super().__call__(*args, **kwargs)
         except ValidationError as exc:
-            raise ConfigError(cls.config_title(), validation_problems(cls, exc)) from None
+            config = cast("type[Config]", cls)  # the metaclass of Config classes only
+            raise ConfigError(config.config_title(), validation_problems(config, exc)) from None
 
 
 class Config(BaseModel, metaclass=_ConfigClass):

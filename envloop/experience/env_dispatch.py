@@ -397,7 +397,7 @@ def _validated(task: str, value: Any, n: int) -> EnvironmentReturn:
     bad = nonfinite_rewards(ret)
     if not bad:
         return ret
-    errors = list(ret.errors) if ret.errors is not None else [None] * n
+    errors: list[str | None] = list(ret.errors) if ret.errors is not None else [None] * n
     for i, what in bad.items():
         errors[i] = errors[i] or (
             f"step broke the EnvironmentReturn contract for this sample: {what}; {NONFINITE_HINT}"
