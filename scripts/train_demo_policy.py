@@ -25,10 +25,10 @@ tokens). Same seed, same data, same weights (on the same torch build).
 from __future__ import annotations
 
 import argparse
-import math
 import random
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,9 @@ from envloop.environments.games.sliding_puzzle import SlidingPuzzleEnv, initial_
 from envloop.environments.games.sliding_puzzle_board import legal_moves
 from envloop.environments.reward_model.batching import pad_sequences
 from envloop.models.tiny import train_chatml_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_training import train
 
 CORRECT, INCORRECT = "Environment: correct", "Environment: incorrect"
 MATH_ROLE, PUZZLE_ROLE = "environment", "user"  # the roles of the environments' observations
@@ -235,41 +238,6 @@ def masked_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return torch.nn.functional.cross_entropy(logits, ids[:, 1:][targets])
 
 
-def train(
-    model: Any,
-    batch_stream: Iterator[tuple[str, list[Example]]],
-    steps: int,
-    lr: float,
-    pad_id: int,
-    on_log: Callable[[int, dict[str, float]], None],
-) -> None:
-    """AdamW with linear warm-up and cosine decay to a tenth of ``lr``, gradients clipped."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(steps // 30, 1)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model.train()
-    running: dict[str, list[float]] = {}
-    for step in range(steps):
-        kind, examples = next(batch_stream)
-        loss = masked_loss(model, *collate(examples, pad_id))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        running.setdefault(kind, []).append(loss.item())
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            on_log(step + 1, {k: sum(v) / len(v) for k, v in running.items()})
-            running = {}
-    model.eval()
-
-
 # --- quick held-out check (teacher forced: exact match here == greedy decoding) ---------
 
 
@@ -343,7 +311,7 @@ def main() -> None:
         print(f"step {step} {time.monotonic() - started:.0f}s loss {shown}{extra}", flush=True)
 
     stream = batches(pools, random.Random(args.seed + 1), args.tokens_per_batch)
-    train(model, stream, args.steps, args.lr, pad, log)
+    train(model, stream, args.steps, args.lr, lambda ex: masked_loss(model, *collate(ex, pad)), log)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.out)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

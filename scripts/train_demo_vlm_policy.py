@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import random
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ from envloop.environments.reward_model.batching import pad_sequences
 from envloop.models.tiny_vlm import build_tiny_vlm_processor, tiny_vlm_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_training import train
 from eval_demo_vlm import baseline_results, evaluate, table
 
 TASKS = {shapes.COUNT_TASK: 0.4, shapes.LOCATE_TASK: 0.6}
@@ -218,42 +218,6 @@ def masked_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits, ids[:, 1:][targets])
 
 
-def train(
-    model: Any,
-    batch_stream: Iterator[tuple[str, list[Example]]],
-    steps: int,
-    lr: float,
-    pad_id: int,
-    image_id: int,
-    on_log: Callable[[int, dict[str, float]], None],
-) -> None:
-    """AdamW with linear warm-up and cosine decay to a tenth of ``lr``, gradients clipped."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(steps // 30, 1)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / (steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    model.train()
-    running: dict[str, list[float]] = {}
-    for step in range(steps):
-        task, examples = next(batch_stream)
-        loss = masked_loss(model, collate(examples, pad_id, image_id))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        running.setdefault(task, []).append(loss.item())
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            on_log(step + 1, {k: sum(v) / len(v) for k, v in running.items()})
-            running = {}
-    model.eval()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2400)
@@ -297,7 +261,10 @@ def main() -> None:
             print(" | ".join(f"{t} {s['reward']:.3f}" for t, _, s in results), flush=True)
 
     stream = batches(processor, random.Random(args.seed + 1), args.batch_size, args.curriculum)
-    train(model, stream, args.steps, args.lr, pad, image, log)
+    train(
+        model, stream, args.steps, args.lr,
+        lambda ex: masked_loss(model, collate(ex, pad, image)), log,
+    )  # fmt: skip
     save(model, processor, args.out)
     print(f"saved to {args.out} after {time.monotonic() - started:.0f} s of training", flush=True)
     results = evaluate(args.out, args.eval_rows, [None, 0.7])
