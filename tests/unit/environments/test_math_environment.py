@@ -588,6 +588,21 @@ def test_megabyte_responses_over_the_default_cap_are_not_checked(env):
     assert metrics["math_env/fraction_boxed"] == 0.25  # the responses over the cap are not read
 
 
+def test_megabyte_responses_under_the_default_cap_are_checked_exactly(env):
+    """Just under the cap, a megabyte of unclosed braces before the answer is read in one pass
+    (unfinished thinking still gives no answer)."""
+    responses = [
+        "\\boxed{" * 140_000 + r"\boxed{7}",
+        "{" * 990_000 + r" so \boxed{7}",
+        "<think>" * 140_000 + r"\boxed{7}",
+    ]
+    assert all(980_000 <= len(r) < 1_000_000 for r in responses)
+    ret = env.step(logs(*responses), truths(7, 7, 7))
+    assert ret.rewards.tolist() == [1.0, 1.0, 0.0]
+    assert ret.answers == ["7", "7", None]
+    assert [md.get("verification_error") for md in ret.metadata] == [None, None, None]
+
+
 def test_every_reward_component_of_a_response_over_the_cap_is_zero(multi_env, tagged_env):
     ret = multi_env.step(logs(r"\boxed{7}", "\\boxed{7}" * 120_000), truths("7", "7"))
     assert ret.rewards["reward/correctness"].tolist() == [1.0, 0.0]

@@ -276,6 +276,20 @@ def test_megabyte_responses_over_the_default_cap_are_not_parsed(env):
     assert metrics["vlm_env/reward_error_rate"] == 0.75
 
 
+def test_megabyte_responses_under_the_default_cap_are_scored_exactly(env):
+    """Just under the cap, a megabyte of unclosed markup before the answer is read in one pass."""
+    responses = [
+        "[1, 2, " * 140_000 + "<answer>7</answer>",
+        "<answer>" * 124_000 + "</answer> <answer>7</answer>",
+        "{" * 990_000 + "<answer>7</answer>",
+    ]
+    assert all(980_000 <= len(r) < 1_000_000 for r in responses)
+    ret = env.step(answer_logs(*responses), [{"ground_truth": "7"}] * 3)
+    assert ret.rewards.tolist() == pytest.approx([0.9] * 3)  # as for "<answer>7</answer>" alone
+    assert [md["reward_errors"] for md in ret.metadata] == [[], [], []]
+    assert ret.answers == ["7", "7", "7"]
+
+
 def test_texts_up_to_the_cap_are_scored_and_longer_ones_are_not(make_env):
     env = make_env(
         {"reward_functions": [{"name": "bbox_giou", "weight": 1}], "max_parse_chars": 2_000}

@@ -338,6 +338,24 @@ def test_megabyte_replies_over_the_default_cap_are_not_played():
     assert metrics["sliding_puzzle_env/num_episodes"] == 4  # unplayed, their boards still count
 
 
+def test_megabyte_replies_under_the_default_cap_are_played_exactly():
+    """Just under the cap, a megabyte of repeated markup before the move is read in one pass."""
+    env = SlidingPuzzleEnv()
+    texts = [
+        "slide 1 " * 124_000 + "<action>left</action>",
+        "<action>" * 124_000 + "</action><action>left</action>",
+        "<action>slide " + "1" * 990_000 + " 1</action>",  # a square no board has
+    ]
+    assert max(len(t) for t in texts) < 1_000_000 < min(len(t) for t in texts) + 10_000
+    ret = replies(env, [episode(NEARLY) for _ in texts], texts)
+    assert ret.rewards.tolist() == [0.0, 0.0, 0.0]
+    moved = [[1, 2, 3], [4, 5, 6], [7, 0, 8]]
+    assert [(md["board"], md["invalid_moves"]) for md in ret.metadata] == [
+        (moved, 0), (moved, 0), (NEARLY, 1),
+    ]  # fmt: skip
+    assert ret.observations[2]["content"].startswith("Invalid move 'slide 1111")
+
+
 def test_replies_up_to_the_cap_are_played_exactly():
     env = SlidingPuzzleEnv({"max_parse_chars": 2_000, "move_penalty": 0.5})
     texts = ["slide 1 " * 247 + "<action>left</action>", "slide 1 " * 250, "slide 1 " * 250 + "!"]
