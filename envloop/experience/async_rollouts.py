@@ -168,7 +168,7 @@ class _Engine:
         self.max_turns, self.greedy, self.options, self.timer = max_turns, greedy, options, timer
         self.renderer = observation_renderer(tokenizer, options.observation_format)
         limit = max(1, min(options.max_concurrent_samples or state.size, MAX_ENV_THREADS))
-        self.dispatcher = EnvDispatcher.from_options(task_to_env, options, max_threads=limit)
+        self.dispatcher = EnvDispatcher.from_options(task_to_env, options)
         self.env_threads = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="envloop-env")
         self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
 

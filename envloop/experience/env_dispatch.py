@@ -87,11 +87,9 @@ class EnvDispatcher:
         timeout_s: float | None = None,
         on_error: str = "record",
         max_retries: int = 1,
-        max_threads: int | None = None,
         startup_timeout_s: float | None = DEFAULT_STARTUP_TIMEOUT_S,
     ) -> None:
         self.task_to_env = task_to_env
-        self.max_threads = max_threads
         self.timeout_s = _limit(timeout_s)
         self.startup_timeout_s = _limit(startup_timeout_s)
         self.on_error = on_error
@@ -101,15 +99,12 @@ class EnvDispatcher:
         self._not_started: dict[str, str] = {}  # task -> why its samples fail
 
     @classmethod
-    def from_options(
-        cls, task_to_env: dict[str, Any], options: Any, max_threads: int | None = None
-    ) -> EnvDispatcher:
+    def from_options(cls, task_to_env: dict[str, Any], options: Any) -> EnvDispatcher:
         """A dispatcher with the timeouts, error policy and retries of rollout ``options``
-        (:class:`~envloop.experience.rollout_options.RolloutSettings`); ``max_threads``:
-        in-process steps that may run at once (None: one thread per step in flight)."""
+        (:class:`~envloop.experience.rollout_options.RolloutSettings`)."""
         return cls(
             task_to_env, options.env_step_timeout_s, options.on_env_error,
-            options.env_max_retries, max_threads, options.env_startup_timeout_s,
+            options.env_max_retries, options.env_startup_timeout_s,
         )  # fmt: skip
 
     def step(
@@ -263,7 +258,9 @@ class EnvDispatcher:
             return _Call(env.step.remote(logs, metadata), time.monotonic())
         # Copies, so an in-process environment sees what an actor would: its own objects.
         if self._pool is None:
-            self._pool = DaemonThreadPool(self.max_threads, "envloop-env")
+            # One thread per step in flight (their callers bound how many): a step abandoned
+            # at its timeout must not hold a slot that later steps wait for.
+            self._pool = DaemonThreadPool(None, "envloop-env")
         step = self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
         return _Call(step, time.monotonic())
 

@@ -154,6 +154,21 @@ def test_the_async_engine_bounds_start_up_and_hung_steps_too(
             ray_session.kill(actor)
 
 
+def test_an_abandoned_in_process_step_holds_no_slot_of_the_async_engine(
+    tiny_tokenizer, policy, release, tmp_path
+):
+    env = HangOnRequestEnv(str(release), str(tmp_path / "calls"))
+    rows = samples(("h", "please hang"), ("h", "fine"), ("h", "fine too"))
+    final, _ = asyncio.run(
+        run_async_multi_turn_rollout(
+            policy, make_batch(tiny_tokenizer, rows), tiny_tokenizer, {"h": env}, 256,
+            max_rollout_turns=1, env_step_timeout_s=2, max_concurrent_samples=1,
+        )
+    )  # fmt: skip
+    assert final["env_error"] == ["env h.step timed out after 2.0 s", None, None]
+    assert final["total_reward"].tolist() == [0.0, 1.0, 1.0]
+
+
 _EXITS_WITH_A_HUNG_STEP = textwrap.dedent(
     """
     import threading
