@@ -22,9 +22,7 @@ import argparse
 import time
 from pathlib import Path
 
-from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.demo import ASSETS, shapes
-from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.vlm_environment import VLMEnvironment
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
@@ -49,16 +47,7 @@ def rollout_scores(
 ) -> dict[str, float]:
     """Mean reward and share correct of one-turn rollouts of ``rows`` in the task's env."""
     processor = policy.processor
-    logs = [
-        get_formatted_message_log(shapes.row_messages(row), processor, add_generation_prompt=True)
-        for row in rows
-    ]
-    batch = BatchedDataDict(
-        message_log=logs,
-        task_name=[task] * len(rows),
-        extra_env_info=[{"ground_truth": row.ground_truth} for row in rows],
-        stop_strings=[None] * len(rows),
-    )
+    batch = shapes.rollout_batch(task, rows, processor)
     env = vlm_env(task)
     try:
         final, _ = run_multi_turn_rollout(

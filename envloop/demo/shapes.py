@@ -243,6 +243,24 @@ def row_messages(row: VisualRow) -> list[dict[str, Any]]:
     return [{"role": "user", "content": content}]
 
 
+def rollout_batch(task: str, rows: list[VisualRow], processor: Any) -> Any:
+    """``rows`` of ``task`` as a rollout input batch: each conversation tokenized through the
+    policy's ``processor`` with the generation prompt, its ground truth as metadata."""
+    from envloop.data.llm_message_utils import get_formatted_message_log  # imports torch
+    from envloop.distributed.batched_data_dict import BatchedDataDict
+
+    logs = [
+        get_formatted_message_log(row_messages(row), processor, add_generation_prompt=True)
+        for row in rows
+    ]
+    return BatchedDataDict(
+        message_log=logs,
+        task_name=[task] * len(rows),
+        extra_env_info=[{"ground_truth": row.ground_truth} for row in rows],
+        stop_strings=[None] * len(rows),
+    )
+
+
 REWARD_FUNCTIONS: dict[str, list[dict[str, Any]]] = {
     COUNT_TASK: [{"name": "exact_alnum", "weight": 1.0}],
     LOCATE_TASK: [{"name": "bbox_giou", "weight": 1.0}],

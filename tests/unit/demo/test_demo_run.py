@@ -4,30 +4,18 @@ puzzles and the bundled reward model, each a Ray actor."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-from pathlib import Path
-
 import pytest
 
-from envloop.cli.main import main
 from envloop.demo.tasks import demo_rows
+from tests.fixtures.demo_runs import run_example
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-DEMO = Path(__file__).resolve().parents[3] / "examples" / "demo.yaml"
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, ray_session):
     out_dir = tmp_path_factory.mktemp("demo") / "run"
-    printed = io.StringIO()
-    args = ["run", str(DEMO), "rollout.generations_per_prompt=1", f"output.dir={out_dir}"]
-    with contextlib.redirect_stdout(printed):
-        status = main([*args, "--quiet"])
-    records = [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
-    return status, printed.getvalue(), records
+    return run_example("demo.yaml", out_dir)
 
 
 def test_demo_prints_a_summary_of_all_three_tasks(demo_run):

@@ -22,7 +22,6 @@ from envloop.data.datasets import load_prompt_samples
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.data.tokenization import tokenize_texts
 from envloop.demo import ASSETS, shapes
-from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.vlm_environment import VLMEnvironment
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
@@ -209,16 +208,7 @@ def test_the_bundled_vlm_policy_beats_chance_on_the_demo_rows(vlm_policy, task):
     """Greedy rollouts of the held-out demo rows through the engine and the vlm environment."""
     rows = [row for row in shapes.demo_rows() if row.task == task]
     processor = vlm_policy.processor
-    logs = [
-        get_formatted_message_log(shapes.row_messages(r), processor, add_generation_prompt=True)
-        for r in rows
-    ]
-    batch = BatchedDataDict(
-        message_log=logs,
-        task_name=[task] * len(rows),
-        extra_env_info=[{"ground_truth": row.ground_truth} for row in rows],
-        stop_strings=[None] * len(rows),
-    )
+    batch = shapes.rollout_batch(task, rows, processor)
     env = VLMEnvironment({"reward_functions": shapes.REWARD_FUNCTIONS[task]})
     try:
         final, _ = run_multi_turn_rollout(

@@ -4,29 +4,17 @@ held-out pictures, scored by the vlm environment on Ray actors, well above chanc
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-from pathlib import Path
-
 import pytest
 
-from envloop.cli.main import main
+from tests.fixtures.demo_runs import run_example
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-DEMO = Path(__file__).resolve().parents[3] / "examples" / "vlm_demo.yaml"
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory, ray_session):
     out_dir = tmp_path_factory.mktemp("vlm_demo") / "run"
-    printed = io.StringIO()
-    args = ["run", str(DEMO), "rollout.generations_per_prompt=1", f"output.dir={out_dir}"]
-    with contextlib.redirect_stdout(printed):
-        status = main([*args, "--quiet"])
-    records = [json.loads(line) for line in (out_dir / "rollouts.jsonl").read_text().splitlines()]
-    return status, printed.getvalue(), records, out_dir
+    return (*run_example("vlm_demo.yaml", out_dir), out_dir)
 
 
 def test_the_policy_counts_shapes_well_above_chance(demo_run):
