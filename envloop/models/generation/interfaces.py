@@ -61,6 +61,10 @@ class GenerationOutputSpec(TypedDict):
             after its retries; such a row has no generated tokens). The rollout engine ends
             those samples with ``loss_multiplier`` 0 and counts them in
             ``generation_error_rate``; the other rows go on.
+        policy_versions: optional [B, L'] int32, zero at prompt and pad positions; at a
+            generated position, the policy version (see
+            :attr:`GenerationInterface.policy_version`) whose weights gave the distribution
+            that token was drawn from. A backend that leaves it out reports version 0.
     """
 
     output_ids: torch.Tensor
@@ -69,6 +73,7 @@ class GenerationOutputSpec(TypedDict):
     logprobs: torch.Tensor
     truncated: NotRequired[torch.Tensor]
     generation_error: NotRequired[list[str | None]]
+    policy_versions: NotRequired[torch.Tensor]
 
 
 class GenerationInterface(ABC):
@@ -79,6 +84,26 @@ class GenerationInterface(ABC):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         """Generate one response per row of ``data``; rows come back in input order."""
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the backend serves now: 0 after construction, then
+        what each :meth:`update_weights` set."""
+        return int(getattr(self, "_policy_version", 0))
+
+    def update_weights(self, weights: Any, *, version: int | None = None) -> int:
+        """Serve new weights from now on and return their version.
+
+        ``version`` None means the current version plus one; an explicit version must not
+        be lower than the current one. Backends that can take new weights override this
+        (``HfGeneration``: a state dict, a module or a ``save_pretrained`` folder;
+        ``ServerGeneration``: a checkpoint the servers reload).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot update its weights: build a new "
+            f"{type(self).__name__} from the new checkpoint, or use a backend that implements "
+            "update_weights (HfGeneration, or ServerGeneration with a vLLM or SGLang server)."
+        )
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         """Make the backend ready (load weights onto the device, wake engines)."""
