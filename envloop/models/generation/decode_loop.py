@@ -52,6 +52,9 @@ class SampleResult:
     """True when the row stopped at its token budget rather than at EOS or a stop string."""
     error: str | None = None
     """Why the row generated nothing, when it failed (a server backend's failed request)."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version that produced each token (one per token); empty means version 0
+    for every token (a backend without weight updates)."""
 
 
 @dataclass(eq=False)

@@ -82,7 +82,8 @@ def build_output(
     """Prompt + generated tokens, right-padded to ``max(L, longest sequence)`` columns.
 
     ``input_ids`` [B, L] and ``input_lengths`` [B] describe the prompts; tensors come back
-    on the CPU.
+    on the CPU. ``policy_versions`` [B, L'] int32 holds each generated token's version
+    (``SampleResult.versions``; 0 where a result has none) and 0 at prompt and pad positions.
     """
     prompt_lengths = input_lengths.tolist()
     gen_lengths = [len(r.tokens) for r in results]
@@ -90,17 +91,21 @@ def build_output(
     width = max([input_ids.shape[1], *total])
     output_ids = torch.full((len(results), width), pad_id, dtype=torch.long)
     logprobs = torch.zeros((len(results), width), dtype=torch.float32)
+    versions = torch.zeros((len(results), width), dtype=torch.int32)
     for row, (result, start) in enumerate(zip(results, prompt_lengths)):
         output_ids[row, :start] = input_ids[row, :start].cpu()
         end = start + len(result.tokens)
         output_ids[row, start:end] = torch.tensor(result.tokens, dtype=torch.long)
         logprobs[row, start:end] = torch.tensor(result.logprobs, dtype=torch.float32)
+        if result.versions:
+            versions[row, start:end] = torch.tensor(result.versions, dtype=torch.int32)
     return BatchedDataDict(
         output_ids=output_ids,
         generation_lengths=torch.tensor(gen_lengths, dtype=torch.long),
         unpadded_sequence_lengths=torch.tensor(total, dtype=torch.long),
         logprobs=logprobs,
         truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
+        policy_versions=versions,
     )
 
 
