@@ -8,6 +8,10 @@ gets an answer the dialect cannot read is retried after an exponential backoff w
 jitter, on whichever server the router picks then; after ``max_retries`` retries only that
 row fails, with the last error as its text. A 4xx answer is the request's own fault and
 fails its row at once, with the server's message.
+
+Weight updates (:meth:`ServerClient.update_weights`) hold new attempts back until the
+attempts in flight are answered, then reload every server (:mod:`server_weights`); each
+row's tokens carry the policy version served when their attempt was sent.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ import aiohttp
 from envloop.models.generation.decode_loop import SampleResult
 from envloop.models.generation.server_config import ServerGenerationConfig
 from envloop.models.generation.server_dialects import (
+    ControlRequest,
     GenerationRequest,
     LlamaCppDialect,
     MalformedReply,
     Reply,
     Sampling,
     ServerDialect,
+    WeightReload,
 )
 from envloop.models.generation.server_routing import ServerRouter, ServerSlot
+from envloop.models.generation.server_weights import AttemptGate, ControlFailed, reload_servers
 
 MAX_BACKOFF_S = 30.0
 SCORE_CANDIDATES = 64
@@ -48,7 +55,11 @@ class GenerationFailed(Exception):
 
 
 class ServerClient:
-    """Sends generation requests for one backend; lives on one event loop (:meth:`open`)."""
+    """Sends generation requests for one backend; lives on one event loop (:meth:`open`).
+
+    ``version`` is the policy version the servers serve: 0, then what each successful
+    :meth:`update_weights` set.
+    """
 
     def __init__(
         self, config: ServerGenerationConfig, dialect: ServerDialect, vocab_size: int
@@ -56,8 +67,10 @@ class ServerClient:
         self.config, self.dialect, self.vocab_size = config, dialect, vocab_size
         self.router = ServerRouter(config.base_urls, base_set_aside_s=config.retry_backoff_s)
         self.counts = {"requests": 0, "retries": 0, "failed_rows": 0, "score_requests": 0}
+        self.version = 0
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._gate: AttemptGate | None = None
 
     async def open(self) -> None:
         """Create the HTTP session and the concurrency bound on the running loop."""
@@ -66,6 +79,7 @@ class ServerClient:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self._slots = asyncio.Semaphore(limit)
+        self._gate = AttemptGate()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -75,11 +89,12 @@ class ServerClient:
         self, request: GenerationRequest, sampling: Sampling, key: Any = None
     ) -> SampleResult:
         """One row's generation; a row that fails for good comes back with ``error`` set
-        and no tokens, never as an exception."""
+        and no tokens, never as an exception. ``versions`` holds, for each token, the
+        policy version served when the attempt that generated the tokens was sent."""
         if request.budget <= 0:
             return SampleResult(truncated=True)
         try:
-            reply = await self._call(
+            reply, version = await self._call(
                 lambda server: self.dialect.body(request, sampling, server.media),
                 key,
                 lambda payload: _counted(self.dialect.parse(payload), request, 0),
@@ -91,7 +106,8 @@ class ServerClient:
         if len(reply.tokens) > request.budget:  # a server that overran its max_tokens
             reply.tokens, logprobs = reply.tokens[: request.budget], logprobs[: request.budget]
             reply.finish = "length"
-        return SampleResult(reply.tokens, logprobs, truncated=reply.finish == "length")
+        versions = [version] * len(reply.tokens)
+        return SampleResult(reply.tokens, logprobs, reply.finish == "length", versions=versions)
 
     async def probe(self, server: ServerSlot, token_id: int) -> Reply:
         """One probe request to ``server`` (no retries): its answer must carry token ids."""
@@ -102,6 +118,34 @@ class ServerClient:
         """Ask a llama.cpp ``server`` about image input (``GET /props``) into ``server.media``."""
         if isinstance(self.dialect, LlamaCppDialect):
             server.media = self.dialect.parse_media(await self.get_json(server.url + "/props"))
+
+    async def update_weights(self, reload: WeightReload, version: int) -> dict[str, str]:
+        """Send ``reload``'s requests to every server once the attempts in flight are
+        answered (new ones wait until all servers are done); ``version`` becomes the
+        served version if every server reloaded. Returns the error of each server that
+        failed, by URL (empty: all reloaded)."""
+        assert self._gate is not None
+        async with self._gate.closed():
+            failed = await reload_servers(self.control, self.router.servers, reload)
+            if not failed:
+                self.version = version
+        return failed
+
+    async def control(self, server: ServerSlot, request: ControlRequest) -> None:
+        """``POST`` one weight-update request to ``server``; raises :class:`ControlFailed`
+        unless it answers HTTP 200 without ``"success": false``."""
+        assert self._session is not None
+        url, what = server.url + request.path, f"POST {request.path}"
+        data = None if request.body is None else json.dumps(request.body)
+        headers = None if data is None else _JSON
+        try:
+            async with self._session.post(url, data=data, headers=headers) as reply:
+                text, status = await reply.text(), reply.status
+        except _UNREACHABLE as exc:
+            reason = _describe(exc, self.config.request_timeout_s)
+            raise ControlFailed(f"{what}: {reason}") from None
+        if status != 200 or _declares_failure(text):
+            raise ControlFailed(f"{what}: HTTP {status}: {text[:500]}")
 
     async def get_json(self, url: str) -> Any:
         """GET ``url``'s JSON; a server not (yet) answering raises :class:`RetryableFailure`."""
@@ -116,26 +160,29 @@ class ServerClient:
 
     async def _call(
         self, body: Callable[[ServerSlot], dict[str, Any]], key: Any, parse: Any
-    ) -> Any:
+    ) -> tuple[Any, int]:
         """POST ``body(server)`` to the dialect's path of the server the router picks and
-        ``parse`` the answer, with retries."""
+        ``parse`` the answer, with retries; returns it with the policy version the
+        answering attempt was sent under."""
+        assert self._gate is not None
         attempts = self.config.max_retries + 1
         for attempt in range(attempts):
-            server = self.router.acquire(key)
-            self.counts["requests"] += 1
-            answered = False
-            try:  # released however it ends, a cancellation included
-                result = parse(await self._post(server, self.dialect.path, body(server)))
-                answered = True
-            except (RetryableFailure, MalformedReply) as exc:
-                error = f"{server.url}{self.dialect.path}: {exc}"
-            except GenerationFailed:
-                answered = True  # the server answered: the request was at fault
-                raise
-            finally:
-                self.router.release(server, ok=answered)
+            async with self._gate.admitted():
+                version, server = self.version, self.router.acquire(key)
+                self.counts["requests"] += 1
+                answered = False
+                try:  # released however it ends, a cancellation included
+                    result = parse(await self._post(server, self.dialect.path, body(server)))
+                    answered = True
+                except (RetryableFailure, MalformedReply) as exc:
+                    error = f"{server.url}{self.dialect.path}: {exc}"
+                except GenerationFailed:
+                    answered = True  # the server answered: the request was at fault
+                    raise
+                finally:
+                    self.router.release(server, ok=answered)
             if answered:
-                return result
+                return result, version
             if attempt + 1 == attempts:
                 raise GenerationFailed(
                     f"generation failed after {attempts} attempt(s); last: {error}"
@@ -197,7 +244,7 @@ class ServerClient:
         for attempt in range(SCORE_ATTEMPTS):
             for n_probs in dict.fromkeys((min(SCORE_CANDIDATES, self.vocab_size), self.vocab_size)):
                 self.counts["score_requests"] += 1
-                value = await self._call(
+                value, _ = await self._call(
                     functools.partial(
                         _score_body, dialect, request, prefix, sampling, n_probs, attempt
                     ),
@@ -254,6 +301,15 @@ def _scored(payload: Any, token: int, request: GenerationRequest, prefix: int) -
 _JSON = {"Content-Type": "application/json"}
 _UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 """What a request raises when its server cannot be reached or does not answer in time."""
+
+
+def _declares_failure(text: str) -> bool:
+    """Whether an answer is JSON saying ``"success": false`` (SGLang's way of failing)."""
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(payload, dict) and payload.get("success") is False
 
 
 def _describe(exc: BaseException, timeout_s: float) -> str:

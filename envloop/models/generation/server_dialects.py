@@ -28,6 +28,11 @@ Shapes of the answers were read from each server's source (llama.cpp: the versio
 ``scripts/build_llama_server.sh`` builds; vLLM's ``CompletionResponse``; SGLang's
 ``/generate`` output); ``tests/unit/models/generation/test_server_dialects.py`` holds
 recorded examples.
+
+Weight reloads (:meth:`ServerDialect.weight_reload`): the requests that make a vLLM or SGLang
+server serve a checkpoint from its disk, read from their sources as each class says
+(``tests/unit/models/generation/test_server_weight_updates.py`` replays recorded shapes:
+neither server runs on the machines these tests run on). llama.cpp's server cannot reload.
 """
 
 from __future__ import annotations
@@ -94,13 +99,38 @@ class Reply:
     prompt_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class ControlRequest:
+    """One ``POST`` of a weight update: ``path`` (with its query string) and the JSON
+    ``body`` (None: an empty body)."""
+
+    path: str
+    body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class WeightReload:
+    """The requests that make one server serve a new checkpoint, in order: ``pause``, then
+    ``reload`` (skipped when a pause request failed), then ``resume`` (always, so that no
+    server stays paused)."""
+
+    reload: ControlRequest
+    pause: tuple[ControlRequest, ...] = ()
+    resume: tuple[ControlRequest, ...] = ()
+
+
 class ServerDialect:
-    """A server API: the path and body of a generation request, and how to read its answer."""
+    """A server API: the path and body of a generation request, how to read its answer,
+    and how a server reloads its weights."""
 
     name: Dialect
     path: str
     images_refused: str | None = None
     """Why this dialect cannot send images (None: it can)."""
+    weights_refused: str | None = None
+    """Why this dialect's servers cannot reload weights, and the way out (None: they can)."""
+    reload_needs: str = ""
+    """What a server needs to take :meth:`weight_reload`'s requests (told when one fails)."""
 
     def __init__(self, model: str | None = None) -> None:
         self.model = model
@@ -117,6 +147,12 @@ class ServerDialect:
     def probe_body(self, token_id: int) -> dict[str, Any]:
         """A one-token request that shows whether the server gives token ids back."""
         return self.body(GenerationRequest([token_id], 1, None, 0), _PROBE_SAMPLING)
+
+    def weight_reload(self, checkpoint: str, version: int) -> WeightReload:
+        """The requests that make one server serve ``checkpoint`` (a path on the server's
+        machine) as policy ``version``; raises ``NotImplementedError`` with
+        :attr:`weights_refused` where the server cannot."""
+        raise NotImplementedError(self.weights_refused)
 
 
 _PROBE_SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=None, greedy=True)
@@ -139,6 +175,28 @@ class VllmDialect(ServerDialect):
     ``/inference/v1/generate`` takes ``token_ids`` with ``features`` (each image's hash,
     placeholder offset and length, and its processed tensors serialized by vLLM's own
     ``mm_serde``), which only its ``/v1/chat/completions/render`` produces; not done yet.
+
+    Weight reload (:meth:`weight_reload`), three requests:
+
+    1. ``POST /pause?mode=wait``: the engine queues new requests, lets the running ones
+       finish, then clears its prefix cache (``clear_cache`` defaults to true); answers
+       ``{"status": "paused"}``.
+    2. ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs":
+       {"weights_path": <checkpoint>}}``: every worker reads the checkpoint in place with
+       the model loader the server started with; answers ``{"results": [null, ...]}``, one
+       entry per worker (HTTP 500 when a worker raised).
+    3. ``POST /resume``: answers ``{"status": "resumed"}``.
+
+    Read from vllm-project/vllm: ``/pause`` and ``/resume`` in
+    ``vllm/entrypoints/serve/rlhf/api_router.py`` (``vllm/entrypoints/rl/online/api_router.py``
+    in the newest sources), ``/collective_rpc`` in ``vllm/entrypoints/serve/rpc/api_router.py``,
+    both mounted only when the server runs with ``VLLM_SERVER_DEV_MODE=1``;
+    ``GPUModelRunner.reload_weights(weights_iterator=None, weights_path=None,
+    is_checkpoint_format=True)`` in ``vllm/v1/worker/gpu_model_runner.py``, reached through
+    ``Worker.reload_weights`` in ``vllm/v1/worker/gpu_worker.py``; what ``mode=wait`` does in
+    ``EngineCore.pause_scheduler`` (``vllm/v1/engine/core.py``). A vLLM older than the
+    ``mode`` parameter ignores it and aborts the running requests instead (ServerGeneration's
+    own requests are answered before it pauses, so only other clients' are affected).
     """
 
     name = "vllm"
@@ -148,6 +206,30 @@ class VllmDialect(ServerDialect):
         "/inference/v1/generate needs features rendered by /v1/chat/completions/render, "
         "which envloop does not do yet); serve the model with llama.cpp (--mmproj) or SGLang"
     )
+    reload_needs = (
+        "vLLM serves /pause, /resume and /collective_rpc only when started with "
+        "VLLM_SERVER_DEV_MODE=1, and its workers' reload_weights must take weights_path "
+        "(a recent vLLM); the checkpoint must be a folder the server can read, with the "
+        "served model's architecture"
+    )
+
+    def weight_reload(self, checkpoint: str, version: int) -> WeightReload:
+        """Pause (draining), reload from ``checkpoint``, resume; vLLM keeps no version label.
+
+        >>> reload = VllmDialect().weight_reload("/ckpt/step-2", 2)
+        >>> [r.path for r in (*reload.pause, reload.reload, *reload.resume)]
+        ['/pause?mode=wait', '/collective_rpc', '/resume']
+        >>> reload.reload.body
+        {'method': 'reload_weights', 'kwargs': {'weights_path': '/ckpt/step-2'}}
+        """
+        return WeightReload(
+            pause=(ControlRequest("/pause?mode=wait"),),
+            reload=ControlRequest(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}},
+            ),
+            resume=(ControlRequest("/resume"),),
+        )
 
     def body(
         self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
@@ -207,10 +289,43 @@ class SglangDialect(ServerDialect):
     ``vision_start pad vision_end``: SGLang's multimodal processor expands each pad to the
     image's token count, keeping the other ids as sent when the server runs with
     ``SGLANG_MM_AVOID_RETOKENIZE=1`` (else it decodes and re-tokenizes them).
+
+    Weight reload (:meth:`weight_reload`), one request: ``POST /update_weights_from_disk``
+    with ``{"model_path": <checkpoint>, "abort_all_requests": false, "weight_version":
+    "<version>"}``; answers ``{"success": true, "message": "Succeeded to update model
+    weights. ...", "num_paused_requests": 0}``, or HTTP 400 with ``"success": false`` and the
+    reason (the old weights stay, or are loaded back). The server is not paused: unpaused, SGLang's
+    tokenizer manager reloads under its model-update writer lock, which waits for the
+    generate requests running to finish and holds new ones until the reload is done, and
+    the cache is flushed after it. (``/pause_generation`` would abort the running requests,
+    or with ``retract`` and ``in_place`` let them go on after the reload, their tokens then
+    coming from two versions.) Read from sgl-project/sglang:
+    ``python/sglang/srt/entrypoints/http_server.py`` (the route and its answer),
+    ``python/sglang/srt/managers/io_struct.py`` (``UpdateWeightFromDiskReqInput``),
+    ``python/sglang/srt/managers/tokenizer_manager.py`` (``update_weights_from_disk`` and
+    its lock) and ``docs/advanced_features/sglang_for_rl.md``.
     """
 
     name = "sglang"
     path = "/generate"
+    reload_needs = (
+        "SGLang reads model_path on the server's machine: a model folder with the served "
+        "model's architecture and sizes"
+    )
+
+    def weight_reload(self, checkpoint: str, version: int) -> WeightReload:
+        """Reload from ``checkpoint`` (SGLang drains and holds requests around it itself),
+        labelled ``version`` on the server.
+
+        >>> reload = SglangDialect().weight_reload("/ckpt/step-2", 2)
+        >>> reload.pause, reload.reload.path, reload.resume
+        ((), '/update_weights_from_disk', ())
+        >>> reload.reload.body
+        {'model_path': '/ckpt/step-2', 'abort_all_requests': False, 'weight_version': '2'}
+        """
+        body = {"model_path": checkpoint, "abort_all_requests": False,
+                "weight_version": str(version)}  # fmt: skip
+        return WeightReload(reload=ControlRequest("/update_weights_from_disk", body))
 
     def body(
         self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
@@ -287,6 +402,11 @@ class LlamaCppDialect(ServerDialect):
     name = "llamacpp"
     path = "/completion"
     media_path = "/props"
+    weights_refused = (
+        "llama.cpp's server cannot reload weights; restart llama-server with the new GGUF "
+        "(-m <file>; scripts/convert_to_gguf.py converts a checkpoint folder to one) and "
+        "build a new ServerGeneration for it"
+    )
     decode: Callable[[list[int]], str] | None = None
 
     def body(

@@ -11,12 +11,17 @@ thread (:mod:`server_client`), reached from ``generate`` (blocking) and ``genera
 
 Rows with images (a vision-language model's prompts, with the row's PIL images in the
 ``images`` column) go as each dialect's multimodal input (:mod:`server_media`).
+
+``update_weights`` makes vLLM and SGLang servers reload a checkpoint from their disk
+(:mod:`server_weights`, the requests of :meth:`ServerDialect.weight_reload`); every
+generated token is labelled with the policy version whose weights produced it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -38,6 +43,7 @@ from envloop.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from envloop.models.generation.policy_versions import next_policy_version
 from envloop.models.generation.server_client import (
     GenerationFailed,
     RetryableFailure,
@@ -52,8 +58,9 @@ from envloop.models.generation.server_dialects import (
     make_dialect,
 )
 from envloop.models.generation.server_media import VisionTokens, request_images
+from envloop.models.generation.server_weights import WeightUpdateFailed
 
-__all__ = ["ServerGeneration", "ServerGenerationConfig"]
+__all__ = ["ServerGeneration", "ServerGenerationConfig", "WeightUpdateFailed"]
 
 T = TypeVar("T")
 _SEED_STRIDE = 1_000_003
@@ -86,6 +93,16 @@ class ServerGeneration(GenerationInterface):
     a different number of prompt tokens fails with the reason. Image rows for a dialect or
     server that takes no images raise ``ValueError`` before anything is sent.
 
+    Weight updates: :meth:`update_weights` makes every server reload a checkpoint from its
+    disk, and ``policy_versions`` labels each generated token with the version of the
+    weights that produced it (0 until the first update). The label is exact for this
+    instance's requests: an update holds new requests back, waits until every request
+    already sent is answered (a retry waits like a new request), reloads, and only then
+    lets requests go, labelled with the new version. vLLM is also paused around the reload
+    (``mode=wait``: requests of other clients finish first, then its prefix cache is
+    cleared); SGLang holds its own lock for the reload (running requests finish first, new
+    ones wait) and flushes its cache. llama.cpp cannot reload weights.
+
     Attributes:
         config: the validated :class:`ServerGenerationConfig`.
         tokenizer: the served model's tokenizer (the rollout engine tokenizes with it).
@@ -111,6 +128,7 @@ class ServerGeneration(GenerationInterface):
         self.pad_id = _pad_id(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self._requests_made = 0
+        self._updating = threading.Lock()
         self._loop = _LoopThread()
         self.model = config.model
         self._client = ServerClient(config, make_dialect(config.dialect), self.vocab_size)
@@ -149,6 +167,38 @@ class ServerGeneration(GenerationInterface):
         finally:
             for future in futures:
                 future.cancel()
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights the servers serve: 0 after construction, then what
+        each successful :meth:`update_weights` set."""
+        return self._client.version
+
+    def update_weights(
+        self, checkpoint: str | os.PathLike[str], *, version: int | None = None
+    ) -> int:
+        """Make every server serve the checkpoint at ``checkpoint`` and return its version.
+
+        ``checkpoint`` is the absolute path, on the servers' machines, of what their model
+        loaders read: with their default load format, a folder such as ``save_pretrained``
+        writes, holding weights for the served model's architecture and sizes. ``version``
+        None means the current version plus one; an explicit one must not be lower than
+        the current. Requests are held back and drained around the reload (see the class
+        docstring); all servers reload concurrently. If any fails,
+        :class:`WeightUpdateFailed` lists each failed server with its error and the version
+        stays as it was (the servers that did reload serve the new weights already: update
+        again once the others are fixed). On llama.cpp servers, ``NotImplementedError`` says
+        how to restart them; that and bad arguments are raised before anything is sent.
+        """
+        with self._updating:
+            self._check_reloadable()
+            path = _checkpoint_path(checkpoint)
+            new_version = next_policy_version(self.policy_version, version)
+            reload = self._client.dialect.weight_reload(path, new_version)
+            failed = self._loop.run(self._client.update_weights(reload, new_version))
+            if failed:
+                raise WeightUpdateFailed(self._update_failure(path, failed))
+            return new_version
 
     def request_stats(self) -> dict[str, Any]:
         """Counters of this backend's HTTP requests (``requests``, ``retries``,
@@ -230,6 +280,29 @@ class ServerGeneration(GenerationInterface):
                     "llama-server with --mmproj <the model's mmproj GGUF> (scripts/"
                     "convert_to_gguf.py --mmproj writes one)."
                 )
+
+    def _check_reloadable(self) -> None:
+        refused = self._client.dialect.weights_refused
+        if refused is not None:
+            urls = ", ".join(server.url for server in self._client.router.servers)
+            raise NotImplementedError(f"update_weights ({urls}): {refused}.")
+
+    def _update_failure(self, checkpoint: str, failed: dict[str, str]) -> str:
+        """The error of an update that failed on the servers of ``failed`` (URL: error)."""
+        urls = [server.url for server in self._client.router.servers]
+        lines = [
+            f"update_weights({checkpoint!r}) failed on {len(failed)} of {len(urls)} "
+            f"server(s); the policy version stays {self.policy_version}:",
+            *(f"  - {url}: {error}" for url, error in failed.items()),
+        ]
+        reloaded = [url for url in urls if url not in failed]
+        if reloaded:
+            lines.append(
+                f"  {', '.join(reloaded)} reloaded and already serve the new weights; call "
+                "update_weights again with this checkpoint once the others are fixed."
+            )
+        lines.append(f"  Check: {self._client.dialect.reload_needs}.")
+        return "\n".join(lines)
 
     def _decode(self, ids: list[int]) -> str:
         return str(
@@ -348,6 +421,25 @@ def _vision_tokens(tokenizer: str) -> VisionTokens | None:
     except (OSError, ValueError):
         return None
     return VisionTokens.from_config(config)
+
+
+def _checkpoint_path(checkpoint: Any) -> str:
+    """``checkpoint`` as the absolute path sent to the servers; raises for anything else."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(
+            f"update_weights(checkpoint={type(checkpoint).__name__}): expected the path (str "
+            "or os.PathLike) of a checkpoint the servers can read; ServerGeneration sends "
+            "servers a path, not weights: save them first (save_pretrained(folder))."
+        )
+    path = os.fspath(checkpoint)
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise ValueError(
+            f"update_weights(checkpoint={path!r}): expected an absolute path, which each "
+            "server reads on its own machine (a relative one would be resolved against "
+            "its working directory); e.g. os.path.abspath(checkpoint) when the servers "
+            "share this machine's files."
+        )
+    return path
 
 
 def _first_model(listing: Any, url: str) -> str:

@@ -31,8 +31,11 @@ REQUEST = GenerationRequest(prompt=[30, 31, 32], budget=12, stops=None, seed=5)
 SAMPLED = Sampling(temperature=0.7, top_p=0.9, top_k=20, greedy=False)
 TOKENS = [19, 95, 2]
 PROBS = [1.0, 0.8463863730430603, 1.0]
-GENERATED = SampleResult(TOKENS, [0.0, math.log(PROBS[1]), 0.0], truncated=False)
-"""What a row gets from an answer of :func:`completion` with the defaults."""
+GENERATED = SampleResult(
+    TOKENS, [0.0, math.log(PROBS[1]), 0.0], truncated=False, versions=[0, 0, 0]
+)
+"""What a row gets from an answer of :func:`completion` with the defaults (policy version 0:
+no weight update)."""
 
 Answer = Callable[[dict[str, Any]], Awaitable[web.Response]]
 """A scripted server's answer to one request body."""
@@ -294,7 +297,7 @@ def test_a_gap_in_llama_cpp_probabilities_is_filled_by_a_scoring_request():
         return web.json_response(answer)
 
     result, client, server = run_one(gap_then_score)
-    assert result == SampleResult(TOKENS, [0.0, math.log(0.25), 0.0], truncated=False)
+    assert result == SampleResult(TOKENS, [0.0, math.log(0.25), 0.0], False, versions=[0] * 3)
     assert client.counts == counts(requests=2, retries=0, score_requests=1)
     score_body = LlamaCppDialect().score_body(REQUEST, [19], SAMPLED, 64, 0)
     assert server.bodies[1] == score_body
@@ -308,7 +311,8 @@ def test_a_reply_longer_than_the_budget_is_cut_to_it_and_truncated():
         async with serving(answer_ok) as server:
             return await generate_one(make_client(server.url), short)
 
-    assert asyncio.run(scenario()) == SampleResult(TOKENS[:2], GENERATED.logprobs[:2], True)
+    cut = SampleResult(TOKENS[:2], GENERATED.logprobs[:2], True, versions=[0, 0])
+    assert asyncio.run(scenario()) == cut
 
 
 def test_concurrent_rows_stay_within_max_concurrent_requests():
