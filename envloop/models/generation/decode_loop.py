@@ -7,6 +7,11 @@ join between any two steps: their prompts are prefilled on their own, then their
 padded on the left to the batch's width (or the batch's to theirs) and appended. Columns
 that only hold padding are trimmed whenever rows leave, so the width stays that of the
 longest row still running.
+
+The weights may change between two steps (:attr:`DecodeBatch.version` names them). Each
+row's pending logits keep the version that computed them, and each token is recorded with
+the version of the logits it was drawn from (``SampleResult.versions``); a row's cache is
+kept as it is, or rebuilt from the new weights by :meth:`DecodeBatch.recompute`.
 """
 
 from __future__ import annotations
@@ -85,13 +90,19 @@ class DecodeRequest:
 class DecodeBatch:
     """Rows decoded together, one token each per :meth:`step`."""
 
-    def __init__(self, model: Any, settings: DecodeSettings) -> None:
+    def __init__(self, model: Any, settings: DecodeSettings, version: int = 0) -> None:
         self.model, self.settings = model, settings
         self.positions = RowPositions(model)
         self.rows: list[DecodeRequest] = []
         self.cache: DynamicCache | None = None
         self.mask = torch.zeros((0, 0), dtype=torch.long)
         self.logits = torch.zeros((0, 0))
+        self.version = version
+        """The policy version of the model's weights now: the version of every logits
+        computed from now on. Whoever changes the weights (between two steps) sets it."""
+        self.logit_versions: list[int] = []
+        """[b] per row: the version of the weights that computed its :attr:`logits`, which
+        is the version of the token its next :meth:`step` draws from them."""
         self.deltas = torch.zeros(0, dtype=torch.long)
         """[b] per row: its next position minus its token count (non-zero only for rows
         whose images take fewer rotary positions than tokens, as in Qwen-VL's mrope)."""
@@ -108,15 +119,11 @@ class DecodeBatch:
         them their first token. Only while the batch is empty unless :attr:`joinable`."""
         if self.rows and not self.joinable:
             raise RuntimeError("rows cannot join a running batch of this model's cache type")
-        input_ids, mask = _left_pad([r.prompt for r in requests], self.settings.pad_id)
-        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
-        cache = DynamicCache(config=self.model.config)
-        vision = _packed_vision(requests, self.model.device)
-        positions, deltas = self.positions.prefill(input_ids, mask, vision)
-        logits = _next_token_logits(self.model, input_ids, mask, cache, positions, vision)
+        cache, mask, logits, deltas = self._prefill([r.prompt for r in requests], requests)
         if not self.rows:
             self.rows, self.cache, self.mask, self.logits = list(requests), cache, mask, logits
             self.deltas = deltas
+            self.logit_versions = [self.version] * len(requests)
             self.joinable = all(type(layer) is DynamicLayer for layer in cache.layers)
             return
         assert self.cache is not None
@@ -129,7 +136,45 @@ class DecodeBatch:
             )
         self.logits = torch.cat([self.logits, logits])
         self.deltas = torch.cat([self.deltas, deltas])
+        self.logit_versions += [self.version] * len(requests)
         self.rows.extend(requests)
+
+    @torch.no_grad()
+    def recompute(self) -> None:
+        """Rebuild every row's cache and next-token logits from the current weights, as if
+        the row had run under them from the start: its prompt is prefilled (with its vision
+        inputs), then its generated tokens [k] in one more pass (left-padded together, so a
+        generated image placeholder is text, as it was when decoded). The rows keep their
+        tokens; their logits become of :attr:`version`, so the next token each draws is too.
+        """
+        if not self.rows:
+            return
+        assert all(r.result.tokens for r in self.rows)  # a row is stepped once admitted
+        cache, mask, _, deltas = self._prefill([r.prompt for r in self.rows], self.rows)
+        generated, generated_mask = _left_pad(
+            [torch.tensor(r.result.tokens, dtype=torch.long) for r in self.rows],
+            self.settings.pad_id,
+        )
+        mask = torch.cat([mask, generated_mask.to(mask.device)], dim=1)
+        positions = self.positions.decode(mask, deltas, count=generated.shape[1])
+        generated = generated.to(self.model.device)
+        self.logits = _next_token_logits(self.model, generated, mask, cache, positions)
+        self.cache, self.mask, self.deltas = cache, mask, deltas
+        self.logit_versions = [self.version] * len(self.rows)
+
+    def _prefill(
+        self, sequences: Sequence[torch.Tensor], requests: Sequence[DecodeRequest]
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward pass over ``sequences`` (1-D token ids, one per request; left-padded
+        together) with the requests' vision inputs: their cache, attention mask [b, W],
+        next-token logits [b, V] and rotary deltas [b]."""
+        input_ids, mask = _left_pad(sequences, self.settings.pad_id)
+        input_ids, mask = input_ids.to(self.model.device), mask.to(self.model.device)
+        cache = DynamicCache(config=self.model.config)
+        vision = _packed_vision(requests, self.model.device)
+        positions, deltas = self.positions.prefill(input_ids, mask, vision)
+        logits = _next_token_logits(self.model, input_ids, mask, cache, positions, vision)
+        return cache, mask, logits, deltas
 
     @torch.no_grad()
     def step(self) -> list[DecodeRequest]:
@@ -139,11 +184,12 @@ class DecodeBatch:
         logprobs = sampling_logprobs(self.logits, s.temperature, s.top_k, s.top_p)
         tokens, token_logprobs = _choose(logprobs, self.rows)
         finished, keep = [], []
-        for k, (row, token, logprob) in enumerate(
-            zip(self.rows, tokens.tolist(), token_logprobs.tolist())
+        for k, (row, token, logprob, version) in enumerate(
+            zip(self.rows, tokens.tolist(), token_logprobs.tolist(), self.logit_versions)
         ):
             row.result.tokens.append(token)
             row.result.logprobs.append(logprob)
+            row.result.versions.append(version)
             if _ends(row, token, s.eos_ids):
                 finished.append(row)
             elif not row.abandoned:
@@ -157,6 +203,7 @@ class DecodeBatch:
             self.logits = _next_token_logits(
                 self.model, next_tokens, self.mask, self.cache, positions
             )
+            self.logit_versions = [self.version] * len(self.rows)
         return finished
 
     def _keep(self, keep: list[int]) -> None:
@@ -164,6 +211,7 @@ class DecodeBatch:
         if len(keep) == len(self.rows):
             return
         self.rows = [self.rows[k] for k in keep]
+        self.logit_versions = [self.logit_versions[k] for k in keep]
         if not self.rows:
             self.cache, self.mask, self.logits = None, self.mask[:0], self.logits[:0]
             self.deltas = self.deltas[:0]
@@ -321,7 +369,10 @@ class RowPositions:
         )
         return positions, deltas.reshape(-1).to(input_ids.device)
 
-    def decode(self, mask: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        """Positions [b, 1] (or [3, b, 1]) of the token each row takes next."""
-        last = mask.sum(dim=-1, keepdim=True) - 1 + deltas.unsqueeze(-1)
+    def decode(self, mask: torch.Tensor, deltas: torch.Tensor, count: int = 1) -> torch.Tensor:
+        """Positions [b, count] (or [3, b, count]) of the last ``count`` columns of ``mask``
+        [b, W]: the tokens each row takes next (padding columns among them get the position
+        of the real token before them; the mask hides them)."""
+        before = mask.cumsum(dim=-1)[:, -count:] - 1
+        last = before.clamp(min=0) + deltas.unsqueeze(-1)
         return last if self.rope_index is None else last.unsqueeze(0).expand(3, -1, -1)

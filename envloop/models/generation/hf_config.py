@@ -58,6 +58,9 @@ class HfGenerationConfig(Config):
     """CPUs Ray reserves for each worker actor (``num_workers`` > 1 only)."""
     worker_num_gpus: Annotated[float, Field(ge=0)] = 0.0
     """GPUs Ray reserves for each worker actor; must be > 0 for cuda workers."""
+    kv_cache_on_update: Literal["keep", "recompute"] = "keep"
+    """After ``update_weights``, a running row's KV cache and next-token logits: ``keep`` the
+    old weights', or ``recompute`` them by prefilling its sequence so far with the new ones."""
     cpu_threads: Annotated[int, Field(ge=1)] | None = DEFAULT_CPU_THREADS
     """torch threads of each process that generates on CPU (process-wide); None: one per
     core, slower when other processes share the cores. Ignored on cuda."""

@@ -6,12 +6,15 @@ reported log-probability is exactly that of the distribution its token was drawn
 loop batches continuously (``continuous_batching``): ``generate`` and ``generate_async``
 calls, from any thread, feed one loop, which admits requests whenever a row is free. With
 ``num_workers > 1`` the work goes to that many Ray actors (``hf_workers``), each holding a
-copy of the model.
+copy of the model. ``update_weights`` swaps in new weights between two decode steps while
+the loop serves (``hf_weights`` checks and prepares them first).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Future, as_completed
 from typing import Any
@@ -38,12 +41,19 @@ from envloop.models.generation.hf_models import (
     resolve_device,
 )
 from envloop.models.generation.hf_vision import row_visions
+from envloop.models.generation.hf_weights import (
+    StagedWeights,
+    WeightSpec,
+    WeightsSource,
+    stage_weights,
+)
 from envloop.models.generation.hf_workers import WorkerPool
 from envloop.models.generation.interfaces import (
     GenerationDatumSpec,
     GenerationInterface,
     GenerationOutputSpec,
 )
+from envloop.models.generation.policy_versions import next_policy_version
 from envloop.models.generation.threads import set_cpu_threads
 
 
@@ -77,6 +87,10 @@ class HfGeneration(GenerationInterface):
     each row keeps its own rotary positions (Qwen-VL's 3-D ones). Logprobs are defined as
     above, with the row's images.
 
+    :meth:`update_weights` serves new weights without stopping the decode loop; the output's
+    ``policy_versions`` [B, L'] gives each generated token the version of the weights that
+    computed the logits it was drawn from.
+
     Attributes:
         config: the validated :class:`HfGenerationConfig` (given as one or as a mapping).
         tokenizer: the loaded tokenizer (also what the rollout engine tokenizes with).
@@ -99,6 +113,10 @@ class HfGeneration(GenerationInterface):
         self.model: Any = None
         self.on_decode_step: Callable[[int], None] | None = None
         self._pool: WorkerPool | None = None
+        self._update_lock = threading.Lock()
+        self._latest_version = 0
+        """The version of the last update queued (served once the loop applies it)."""
+        self._staged: tuple[int, StagedWeights] | None = None
         if config.num_workers > 1:
             self._pool = WorkerPool.start(HfGeneration, config, self._pad_values())
             return
@@ -113,7 +131,7 @@ class HfGeneration(GenerationInterface):
         )
         self._batcher = ContinuousBatcher(
             self.model, self.tokenizer, settings, self.generator, config.micro_batch_size,
-            self._count_step,
+            self._count_step, recompute_on_update=config.kv_cache_on_update == "recompute",
         )  # fmt: skip
 
     def generate(
@@ -156,6 +174,59 @@ class HfGeneration(GenerationInterface):
                 yield row, self._row_output(batch, row, result)
         finally:
             _abandon(jobs)
+
+    def update_weights(self, weights: WeightsSource, *, version: int | None = None) -> int:
+        """Serve ``weights`` from the next decode step on; returns their policy version.
+
+        ``weights``: a state dict (``model.state_dict()`` of a trainer's copy: this model's
+        keys with its shapes, any dtype and device), a ``torch.nn.Module`` of the same
+        architecture, or a folder written by ``save_pretrained`` (safetensors, one file or
+        shards with their index). Tied weights (an LM head tied to the embeddings) need only
+        one of their keys. Weights that do not fit raise one ``ValueError`` listing every
+        missing key, unexpected key and wrong shape, and nothing changes: the new tensors are
+        all checked, cast and moved before the model is touched. ``version``: None for the
+        next one (:attr:`policy_version` + 1); an explicit one must not be lower.
+
+        The decode loop goes on serving: the update lands between two of its steps (at once
+        while it is idle, or when called from :attr:`on_decode_step`), and this call returns
+        once it is applied. Rows admitted afterwards are prefilled with the new weights. A
+        row in flight keeps the tokens it has and goes on under the new weights (a partial
+        rollout); ``config.kv_cache_on_update`` says what happens to its KV cache:
+
+        - ``keep`` (default): the cache and the pending next-token logits stay as the old
+          weights computed them. The row's next token is drawn from those logits, so it is
+          of the old version; the tokens after it are of the new version, computed by the
+          new weights attending to the old weights' keys and values for every position
+          before the update.
+        - ``recompute``: the row's cache and logits are rebuilt by prefilling its whole
+          sequence so far (prompt + generated tokens, with its images) under the new
+          weights, so its very next token is of the new version and every token from the
+          update on is what the new weights give for the sequence before it.
+
+        With ``num_workers > 1`` a state dict or module is checked here against the
+        workers' model, put in Ray's object store once, and the same reference goes to
+        every worker; a folder goes as its absolute path (each worker loads it, so it must
+        be readable there). Every worker first checks and prepares the new tensors; only
+        when all have them does any apply them, so an input that fails anywhere changes no
+        worker. Each worker applies them between two of its own steps (not at the same
+        moment as the others); the call returns once every worker serves the new version.
+
+        The given tensors are read until the call returns: do not change them meanwhile.
+        Concurrent calls are applied in the order they were made.
+        """
+        if self._pool is not None:
+            with self._update_lock:
+                new = next_policy_version(self.policy_version, version)
+                self._pool.update_weights(weights, new)
+                self._policy_version = new
+            return new
+        with self._update_lock:  # versions handed out and updates queued in call order
+            new = next_policy_version(self._latest_version, version)
+            staged = stage_weights(self.model, weights)
+            applied = self._batcher.update(functools.partial(self._serve, staged, new), new)
+            self._latest_version = new
+        applied.result()  # not under the lock: a call from on_decode_step may come first
+        return new
 
     def decode_stats(self) -> list[dict[str, int]]:
         """The counters of each decode loop (this process's, or one per worker):
@@ -233,6 +304,38 @@ class HfGeneration(GenerationInterface):
     ) -> BatchedDataDict[GenerationOutputSpec]:
         ids, lengths = batch["input_ids"][row : row + 1], batch["input_lengths"][row : row + 1]
         return build_output(ids, lengths, [result], self.pad_id)
+
+    def _weight_spec(self) -> WeightSpec:
+        """The keys and shapes of this worker's weights (the pool checks updates with it)."""
+        return WeightSpec.of(self.model)
+
+    async def _stage_weights(self, weights: WeightsSource, version: int) -> None:
+        """A worker's first phase of :meth:`update_weights`: check and prepare ``weights``
+        (off the actor's event loop) and keep them for :meth:`_commit_weights`."""
+        next_policy_version(self.policy_version, version)
+        staged = await asyncio.to_thread(stage_weights, self.model, weights)
+        self._staged = (version, staged)
+
+    async def _commit_weights(self, version: int) -> int:
+        """A worker's second phase: apply the weights staged for ``version`` between two
+        decode steps; returns once they are served."""
+        if self._staged is None or self._staged[0] != version:
+            raise RuntimeError(f"no weights staged for version {version}; stage them first")
+        staged, self._staged = self._staged[1], None
+        serve = functools.partial(self._serve, staged, version)
+        await asyncio.wrap_future(self._batcher.update(serve, version))
+        self._latest_version = version
+        return version
+
+    def _serve(self, staged: StagedWeights, version: int) -> None:
+        """Put ``staged`` in the model (on the decode loop's thread, between two steps, or
+        while it is idle); :attr:`policy_version` changes with the weights."""
+        staged.apply()
+        self._policy_version = version
+
+    def _drop_staged_weights(self) -> None:
+        """Forget staged weights (another worker could not stage its copy)."""
+        self._staged = None
 
     def _count_step(self, tokens: int) -> None:
         if self.on_decode_step is not None:

@@ -5,15 +5,27 @@ A batch given to ``generate`` is split into contiguous shards, one per worker. R
 process and not yet returned), and come back as each finishes: every worker runs its own
 continuous batching loop. The actors are asyncio actors whose methods await their rows, so
 the calls of many concurrent consumers are served at once and share that loop.
+
+New weights go to every worker in two phases (:meth:`WorkerPool.update_weights`): each
+worker checks and prepares them, and only when all have them does any apply them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.hf_weights import (
+    WeightSpec,
+    WeightsSource,
+    source_kind,
+    state_dict_of,
+    weights_error,
+)
 from envloop.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 
 WORKER_MAX_CONCURRENCY = 1024
@@ -26,6 +38,7 @@ class WorkerPool:
     def __init__(self, workers: list[Any], pad_values: dict[str, int | float]) -> None:
         self.workers, self.pad_values = workers, pad_values
         self.outstanding = [0] * len(workers)
+        self._spec: WeightSpec | None = None
 
     @classmethod
     def start(cls, actor: type, config: Any, pad_values: dict[str, int | float]) -> WorkerPool:
@@ -124,6 +137,46 @@ class WorkerPool:
             finished.put_nowait(error)
         finally:
             self.outstanding[rank] -= left
+
+    def update_weights(self, weights: WeightsSource, version: int) -> None:
+        """Make every worker serve ``weights`` as ``version``; returns once all do.
+
+        A state dict or module is checked against the workers' model first (nothing is
+        sent if it does not fit), then put in the object store once: every worker gets the
+        same reference. A folder goes as its absolute path. Phase one: every worker checks
+        and prepares its copy; if any fails, all drop what they prepared and the first
+        error is raised, so no worker changes. Phase two: every worker applies its copy
+        between two of its decode steps; only a worker whose decode loop itself breaks can
+        fail there (its rows fail too), and the others keep the new weights.
+        """
+        import ray
+
+        payload = self._payload(weights)
+        errors = []
+        for staging in [w._stage_weights.remote(payload, version) for w in self.workers]:
+            try:
+                ray.get(staging)
+            except Exception as error:  # after every worker is done: none stages late
+                errors.append(error)
+        if errors:
+            ray.get([w._drop_staged_weights.remote() for w in self.workers])
+            raise errors[0]
+        ray.get([w._commit_weights.remote(version) for w in self.workers])
+
+    def _payload(self, weights: WeightsSource) -> Any:
+        """What the workers get: a folder's absolute path, or a reference to the state dict
+        (on the CPU) in the object store, once it is checked against the workers' model."""
+        import ray
+
+        if isinstance(weights, (str, os.PathLike)):
+            return str(Path(weights).resolve())
+        state = state_dict_of(weights)
+        if self._spec is None:
+            self._spec = ray.get(self.workers[0]._weight_spec.remote())
+        problems = self._spec.problems(state)
+        if problems:
+            raise weights_error(f"the {source_kind(weights)}", problems)
+        return ray.put({key: tensor.detach().cpu() for key, tensor in state.items()})
 
     def stats(self) -> list[dict[str, int]]:
         """Each worker's decode counters."""
