@@ -45,7 +45,7 @@ from envloop.experience.rollout_state import (
 )
 from envloop.models.generation.interfaces import GenerationInterface
 
-__all__ = ["FinishedGroup", "FinishedSample", "RolloutStream"]
+__all__ = ["FinishedGroup", "FinishedSample", "RolloutStream", "SampleEngine"]
 
 MAX_ENV_THREADS = 256
 """Most environment calls of one rollout waiting at once (at most one per sample in flight)."""
@@ -63,10 +63,21 @@ class FinishedSample:
 @dataclass(frozen=True)
 class FinishedGroup:
     """A GRPO group whose last member ended: its members' input positions (ascending) and
-    their final rows, in that order."""
+    their final rows, in that order, with the span of policy versions its generated tokens
+    came from (-1 for both when no member generated a token)."""
 
     indices: list[int]
     batch: BatchedDataDict[Any]
+    min_policy_version: int = -1
+    max_policy_version: int = -1
+
+    @classmethod
+    def of(cls, indices: list[int], batch: BatchedDataDict[Any]) -> FinishedGroup:
+        """The group of ``batch`` (final rows with ``min_policy_version`` and
+        ``max_policy_version`` columns) at ``indices``."""
+        low = [v for v in batch["min_policy_version"].tolist() if v >= 0]
+        high = int(batch["max_policy_version"].max()) if batch.size else -1
+        return cls(indices, batch, min(low) if low else -1, high)
 
 
 class RolloutStream:
@@ -98,7 +109,7 @@ class RolloutStream:
         self.state = RolloutState.start(input_batch, tokenizer, max_seq_len)
         check_tasks_have_envs(self.state.task_names, task_to_env)
         self.timer = PhaseTimer()
-        self._engine = _Engine(
+        self._engine = SampleEngine(
             self.state, policy_generation, tokenizer, task_to_env, max_rollout_turns, greedy,
             self.options, self.timer,
         )  # fmt: skip
@@ -122,7 +133,7 @@ class RolloutStream:
             left[group] = left.get(group, group_size) - 1
             if left[group] == 0:
                 indices = list(range(group * group_size, (group + 1) * group_size))
-                yield FinishedGroup(indices, self._rows(indices))
+                yield FinishedGroup.of(indices, self._rows(indices))
 
     def final_batch(self) -> BatchedDataDict[Any]:
         """Every sample's final row, in input order (once the stream has run)."""
@@ -138,8 +149,28 @@ class RolloutStream:
         if self._started:
             raise RuntimeError("a RolloutStream runs once; start a new one for another rollout")
         self._started = True
-        async for index in self._engine.run():
-            yield FinishedSample(index, self._rows([index]))
+        finished: asyncio.Queue[int | BaseException] = asyncio.Queue()
+        waiting = deque(range(self.state.size))  # not yet admitted, in input order
+        limit = self.options.max_concurrent_samples or self.state.size
+
+        def admit() -> None:
+            while waiting and self._engine.in_flight < limit:
+                self._engine.begin(waiting.popleft())
+
+        def on_finished(index: int) -> None:
+            finished.put_nowait(index)
+            admit()
+
+        self._engine.start(on_finished, finished.put_nowait)
+        admit()
+        try:
+            for _ in range(self.state.size):
+                item = await finished.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield FinishedSample(item, self._rows([item]))
+        finally:
+            await self._engine.close()
         self._finished = True
 
     def _rows(self, indices: list[int]) -> BatchedDataDict[Any]:
@@ -150,8 +181,11 @@ class RolloutStream:
             raise RuntimeError("the stream has not run to its end yet; iterate over it first")
 
 
-class _Engine:
-    """The stages of an async rollout and the queues between them."""
+class SampleEngine:
+    """The stages of an async rollout and the queues between them, over the slots of a
+    :class:`RolloutState`. Whoever drives it decides which samples run: :meth:`begin`
+    starts the sample in a slot, and the engine calls ``on_finished(slot)`` once the
+    sample's rollout has ended (or ``on_error(exception)`` when a stage raised)."""
 
     def __init__(
         self,
@@ -171,45 +205,42 @@ class _Engine:
         self.dispatcher = EnvDispatcher.from_options(task_to_env, options)
         self.env_threads = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="envloop-env")
         self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
+        self.in_flight = 0
+        self.closed = False
+        self.tasks: set[asyncio.Future[None]] = set()
+        self.env_stages: dict[str, _Stage] = {}
 
-    async def run(self) -> AsyncIterator[int]:
-        """Run every sample to its end; yields each sample's index as it finishes."""
-        self.finished: asyncio.Queue[int | BaseException] = asyncio.Queue()
-        self.waiting = deque(range(self.state.size))  # not yet admitted, in input order
-        self.in_flight, self.tasks = 0, set[asyncio.Future[None]]()
+    def start(
+        self, on_finished: Callable[[int], None], on_error: Callable[[BaseException], None]
+    ) -> None:
+        """Get ready to run samples (inside the running event loop)."""
+        self.on_finished, self.on_error = on_finished, on_error
         self.generation = _Stage(
             self._generate, self.options, self._spawn, serial=not self.streams_outputs
         )
 
-        self.env_stages = {
-            task: _Stage(self._step_env, self.options, self._spawn, serial=False)
-            for task in dict.fromkeys(self.state.task_names)
-        }
-        self._admit()
-        try:
-            for _ in range(self.state.size):
-                item = await self.finished.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            for task in self.tasks:
-                task.cancel()
-            self.env_threads.shutdown(wait=False, cancel_futures=True)
-            self.dispatcher.shutdown()
+    def begin(self, i: int) -> None:
+        """Start the sample in slot ``i`` (loaded into the state) on its first turn."""
+        self.in_flight += 1
+        self._next_turn(i)
 
-    def _admit(self) -> None:
-        limit = self.options.max_concurrent_samples or self.state.size
-        while self.waiting and self.in_flight < limit:
-            i = self.waiting.popleft()
-            self.in_flight += 1
-            self._next_turn(i)
+    async def close(self) -> None:
+        """Cancel every stage's call still under way and wait until each has stopped: a
+        generation call abandons its rows, an environment call already running on its
+        thread is waited for (``env_step_timeout_s`` bounds it) and its result dropped.
+        Then the environment threads and the dispatcher shut down."""
+        self.closed = True
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.to_thread(self.env_threads.shutdown, wait=True, cancel_futures=True)
+        self.dispatcher.shutdown()
 
     def _next_turn(self, i: int) -> None:
         if bool(self.state.done[i]) or int(self.state.turns[i]) >= self.max_turns:
             self.in_flight -= 1
-            self.finished.put_nowait(i)
-            self._admit()
+            self.on_finished(i)
         else:
             self.generation.add(i)
 
@@ -221,7 +252,7 @@ class _Engine:
     def _done(self, task: asyncio.Future[None]) -> None:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            self.finished.put_nowait(task.exception())  # type: ignore[arg-type]
+            self.on_error(task.exception())  # type: ignore[arg-type]
 
     async def _generate(self, samples: list[int]) -> None:
         """Generate for ``samples`` (SPEC §7 steps 1-2); each goes on to its environment as
@@ -247,7 +278,12 @@ class _Engine:
             if self.state.generation_failed[i]:
                 self._next_turn(i)  # ends it
             else:
-                self.env_stages[self.state.task_names[i]].add(i, eos)
+                self._env_stage(self.state.task_names[i]).add(i, eos)
+
+    def _env_stage(self, task: str) -> _Stage:
+        if task not in self.env_stages:
+            self.env_stages[task] = _Stage(self._step_env, self.options, self._spawn, serial=False)
+        return self.env_stages[task]
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each
@@ -276,11 +312,13 @@ class _Engine:
 
     def _take_streamed(self, result: GroupResult, eos: dict[int, bool]) -> None:
         """:meth:`_take_env_results` as an event loop callback, whose exceptions would
-        otherwise only be logged: the rollout raises them."""
+        otherwise only be logged: the rollout raises them. Dropped once the engine closed."""
+        if self.closed:
+            return
         try:
             self._take_env_results([result], eos)
         except BaseException as exc:
-            self.finished.put_nowait(exc)
+            self.on_error(exc)
 
     def _take_env_results(self, results: list[GroupResult], eos: dict[int, bool]) -> None:
         take_env_results(self.state, results, eos, self.tokenizer, self.renderer, self.timer)

@@ -10,7 +10,7 @@ import torch
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.rollout_state import RolloutState
 
-__all__ = ["final_rows"]
+__all__ = ["final_rows", "slot_rows"]
 
 
 def final_rows(
@@ -19,9 +19,16 @@ def final_rows(
     """The final batch (see :func:`run_multi_turn_rollout`) at ``indices`` (None: every
     sample, in input order); ``input_batch`` is not mutated."""
     if indices is None:
-        final, idx = input_batch.copy(), list(range(state.size))
-    else:
-        final, idx = input_batch.select_indices(indices), list(indices)
+        return slot_rows(input_batch.copy(), state, list(range(state.size)))
+    return slot_rows(input_batch.select_indices(indices), state, list(indices))
+
+
+def slot_rows(
+    input_rows: BatchedDataDict[Any], state: RolloutState, idx: list[int]
+) -> BatchedDataDict[Any]:
+    """The final rows of the samples in ``state``'s slots ``idx``, whose input rows are
+    ``input_rows`` (in the same order; the dict is filled in and returned)."""
+    final = input_rows
     index = torch.tensor(idx, dtype=torch.long)
     failed = state.failed[index] | state.generation_failed[index]
     given = final.get("loss_multiplier")
@@ -38,6 +45,8 @@ def final_rows(
     for name, totals in state.components.items():
         final[name] = totals[index]
     final["reward_components"] = [sorted(state.component_names[i]) for i in idx]
+    final["min_policy_version"] = state.min_version[index]
+    final["max_policy_version"] = state.max_version[index]
     return final
 
 

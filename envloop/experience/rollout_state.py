@@ -58,6 +58,8 @@ class RolloutState:
     generation_failed: torch.Tensor  # bool, the policy could not generate its response
     generation_errors: list[str | None]  # the failure text of those samples
     sample_ids: list[str]  # a key per sample, unique across rollouts (server affinity)
+    min_version: torch.Tensor  # int64, oldest policy version of a generated token; -1: none
+    max_version: torch.Tensor  # int64, newest policy version of a generated token; -1: none
     vision: SampleVision  # each sample's images' vision inputs (prompt and observations)
     components: dict[str, torch.Tensor] = field(default_factory=dict)  # "reward/<name>" totals
     component_names: list[set[str]] = field(default_factory=list)  # each sample's own names
@@ -78,11 +80,50 @@ class RolloutState:
     @classmethod
     def start(cls, batch: BatchedDataDict[Any], tokenizer: Any, max_seq_len: int) -> RolloutState:
         """Validate ``batch`` and set up state; the batch itself is never mutated."""
-        logs, task_names = _checked_logs_and_tasks(batch)
+        n = len(batch.get("message_log") or [])  # load() reports a missing or bad column
+        state = cls.empty(n, tokenizer, max_seq_len)
+        state.load(list(range(n)), batch)
+        return state
+
+    @classmethod
+    def empty(cls, size: int, tokenizer: Any, max_seq_len: int) -> RolloutState:
+        """``size`` slots with no sample yet: :meth:`load` puts samples in them."""
         pad_id = _pad_id(text_tokenizer(tokenizer))
+        return cls(
+            message_logs=[[] for _ in range(size)],
+            env_views=[[] for _ in range(size)],
+            metadata=[None] * size,
+            stop_strings=[None] * size,
+            task_names=[""] * size,
+            tokens=TokenBuffer([_EMPTY] * size, max_seq_len, pad_id),
+            total_reward=torch.zeros(size, dtype=torch.float32),
+            turn_rewards=[[] for _ in range(size)],
+            turns=torch.zeros(size, dtype=torch.long),
+            gen_tokens=torch.zeros(size, dtype=torch.long),
+            env_tokens=torch.zeros(size, dtype=torch.long),
+            terminated=torch.zeros(size, dtype=torch.bool),
+            truncated=torch.zeros(size, dtype=torch.bool),
+            failed=torch.zeros(size, dtype=torch.bool),
+            errors=[None] * size,
+            generation_failed=torch.zeros(size, dtype=torch.bool),
+            generation_errors=[None] * size,
+            sample_ids=[""] * size,
+            min_version=torch.full((size,), -1, dtype=torch.long),
+            max_version=torch.full((size,), -1, dtype=torch.long),
+            vision=SampleVision(size),
+            component_names=[set() for _ in range(size)],
+        )
+
+    def load(self, slots: list[int], batch: BatchedDataDict[Any]) -> None:
+        """Validate ``batch`` (one row per slot) and start its samples in ``slots``, which
+        forget whatever sample they held (new objects throughout: rows taken from the
+        slots earlier keep their values). The batch itself is never mutated."""
+        logs, task_names = _checked_logs_and_tasks(batch)
         n = len(logs)
+        if len(slots) != n:
+            raise ValueError(f"{n} samples for {len(slots)} slots")
         prompts = [torch.cat([m["token_ids"] for m in log]) if log else _EMPTY for log in logs]
-        _check_prompt_lengths(prompts, max_seq_len)
+        _check_prompt_lengths(prompts, self.tokens.max_seq_len)
         stop_strings = list(batch.get("stop_strings") or [None] * n)
         _check_stop_strings(stop_strings, n)
         metadata = list(batch.get("extra_env_info") or [None] * n)
@@ -91,30 +132,26 @@ class RolloutState:
                 f"'extra_env_info' has {len(metadata)} entries for {n} samples; give one per "
                 "sample (None where a sample has no metadata)."
             )
-        state = cls(
-            message_logs=[list(log) for log in logs],
-            env_views=[[{"role": m["role"], "content": m["content"]} for m in log] for log in logs],
-            metadata=metadata,
-            stop_strings=stop_strings,
-            task_names=task_names,
-            tokens=TokenBuffer(prompts, max_seq_len, pad_id),
-            total_reward=torch.zeros(n, dtype=torch.float32),
-            turn_rewards=[[] for _ in range(n)],
-            turns=torch.zeros(n, dtype=torch.long),
-            gen_tokens=torch.zeros(n, dtype=torch.long),
-            env_tokens=torch.zeros(n, dtype=torch.long),
-            terminated=torch.zeros(n, dtype=torch.bool),
-            truncated=torch.zeros(n, dtype=torch.bool),
-            failed=torch.zeros(n, dtype=torch.bool),
-            errors=[None] * n,
-            generation_failed=torch.zeros(n, dtype=torch.bool),
-            generation_errors=[None] * n,
-            sample_ids=_sample_ids(n),
-            vision=SampleVision.from_logs(logs),
-            component_names=[set() for _ in range(n)],
-        )
-        state.truncated |= state.tokens.lengths >= max_seq_len
-        return state
+        index = torch.tensor(slots, dtype=torch.long)
+        for tensor in (self.total_reward, *self.components.values()):
+            tensor[index] = 0
+        for tensor in (self.turns, self.gen_tokens, self.env_tokens):
+            tensor[index] = 0
+        for flags in (self.terminated, self.failed, self.generation_failed):
+            flags[index] = False
+        self.min_version[index] = -1
+        self.max_version[index] = -1
+        self.tokens.reset(index, prompts)
+        self.truncated[index] = self.tokens.lengths[index] >= self.tokens.max_seq_len
+        ids = _sample_ids(n)
+        for k, (i, log) in enumerate(zip(slots, logs)):
+            self.message_logs[i] = list(log)
+            self.env_views[i] = [{"role": m["role"], "content": m["content"]} for m in log]
+            self.metadata[i], self.stop_strings[i] = metadata[k], stop_strings[k]
+            self.task_names[i], self.sample_ids[i] = task_names[k], ids[k]
+            self.turn_rewards[i], self.component_names[i] = [], set()
+            self.errors[i] = self.generation_errors[i] = None
+            self.vision.reset(i, log)
 
 
 _EMPTY = torch.zeros(0, dtype=torch.long)
@@ -170,14 +207,29 @@ def append_responses(
             state.generation_errors[i] = f"generation failed: {errors[j]}"
             continue
         text = responses.texts[j]
-        message = assistant_message(text, responses.token_ids[j], responses.logprobs[j])
+        message = assistant_message(
+            text, responses.token_ids[j], responses.logprobs[j], responses.versions[j]
+        )
         state.message_logs[i].append(message)
         state.env_views[i].append({"role": "assistant", "content": text})
     state.tokens.append_ragged(active, responses.flat_ids, responses.counts)
     generated = (~state.generation_failed[active]).long()
     state.turns.index_add_(0, active, generated)
     state.gen_tokens.index_add_(0, active, responses.counts)
+    _record_versions(state, active, responses)
     return responses
+
+
+def _record_versions(state: RolloutState, active: torch.Tensor, responses: Responses) -> None:
+    """Widen each active sample's policy version span by its response's."""
+    low, high = responses.min_versions, responses.max_versions
+    generated = low >= 0
+    if not bool(generated.any()):
+        return
+    rows, low, high = active[generated], low[generated], high[generated]
+    old_low = state.min_version[rows]
+    state.min_version[rows] = torch.where(old_low < 0, low, torch.minimum(old_low, low))
+    state.max_version[rows] = torch.maximum(state.max_version[rows], high)
 
 
 def record_rewards(state: RolloutState, results: Sequence[GroupResult]) -> None:

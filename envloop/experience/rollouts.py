@@ -28,6 +28,7 @@ from envloop.experience.env_dispatch import (
     check_tasks_have_envs,
     group_by_task,
 )
+from envloop.experience.experience_stream import ExperienceStream
 from envloop.experience.rollout_metrics import (
     PhaseTimer,
     RolloutProgress,
@@ -49,6 +50,7 @@ from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = [
     "EnvironmentStepError",
+    "ExperienceStream",
     "FinishedGroup",
     "FinishedSample",
     "RolloutProgress",
@@ -94,7 +96,10 @@ def run_multi_turn_rollout(
         ``generation_error`` (likewise, for a response the policy could not generate),
         and ``reward/<name>`` [B] float32 totals for component rewards (0 where a sample's
         environment returned no such component; ``reward_components`` lists, per sample,
-        the names its own environment returned).
+        the names its own environment returned), and ``min_policy_version`` /
+        ``max_policy_version`` [B] int64: the oldest and newest policy version among the
+        sample's generated tokens (-1 for a sample that generated none; each assistant
+        message's ``generation_policy_versions`` [n] int32 holds every token's).
     """
     opts = RolloutOptions.from_mapping(options)
     check_limits(max_seq_len, max_rollout_turns)
@@ -194,7 +199,10 @@ def generate_responses(
     responses = split_responses(output, input_lengths, None, tokenizer)
     for i, log in enumerate(batch["message_log"]):
         logprobs = responses.logprobs[i] if include_logprobs else None
-        log.append(assistant_message(responses.texts[i], responses.token_ids[i], logprobs))
+        versions = responses.versions[i]
+        log.append(
+            assistant_message(responses.texts[i], responses.token_ids[i], logprobs, versions)
+        )
     total = int(responses.counts.sum())
     metrics = {
         "mean_generation_length": total / max(len(responses.texts), 1),

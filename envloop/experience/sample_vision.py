@@ -27,13 +27,11 @@ class SampleVision:
         self.inputs: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
         self.images: list[list[Any]] = [[] for _ in range(size)]
 
-    @classmethod
-    def from_logs(cls, logs: Sequence[Sequence[Mapping[str, Any]]]) -> SampleVision:
-        vision = cls(len(logs))
-        for i, log in enumerate(logs):
-            for message in log:
-                vision.add(i, message)
-        return vision
+    def reset(self, sample: int, messages: Sequence[Mapping[str, Any]]) -> None:
+        """``sample`` holds the vision inputs of ``messages`` and nothing else."""
+        self.inputs[sample], self.images[sample] = {}, []
+        for message in messages:
+            self.add(sample, message)
 
     @property
     def any(self) -> bool:

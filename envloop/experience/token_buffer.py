@@ -29,6 +29,14 @@ class TokenBuffer:
             counts = torch.tensor([len(s) for s in sequences], dtype=torch.long)
             self.append_ragged(torch.arange(len(sequences)), torch.cat(sequences), counts)
 
+    def reset(self, indices: torch.Tensor, sequences: list[torch.Tensor]) -> None:
+        """Rows ``indices`` hold ``sequences`` (one each) and nothing else."""
+        self.ids[indices] = self.pad_id
+        self.lengths[indices] = 0
+        if sequences:
+            counts = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+            self.append_ragged(indices, torch.cat(sequences), counts)
+
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [b, L], input_lengths [b])`` of rows ``indices``; L = longest row."""
         lengths = self.lengths.index_select(0, indices)

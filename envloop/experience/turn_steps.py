@@ -29,6 +29,11 @@ class Responses:
         counts: [b] int64, n_j.
         flat_ids: [sum n_j] int64, all responses' tokens concatenated.
         ended_with_eos: b flags, True when the response's last token is EOS.
+        versions: b tensors [n_j] int32, the policy version of each token (0 where the
+            policy reports none).
+        min_versions: [b] int64, each response's oldest token version (-1 for an empty
+            response).
+        max_versions: [b] int64, each response's newest token version (-1 if empty).
     """
 
     token_ids: list[torch.Tensor]
@@ -37,6 +42,9 @@ class Responses:
     counts: torch.Tensor
     flat_ids: torch.Tensor
     ended_with_eos: list[bool]
+    versions: list[torch.Tensor]
+    min_versions: torch.Tensor
+    max_versions: torch.Tensor
 
 
 def split_responses(
@@ -62,6 +70,10 @@ def split_responses(
     start = input_lengths.long()[:, None]
     mask = (positions >= start) & (positions < start + counts[:, None])
     flat_ids, flat_lp = out_ids[mask].long(), logprobs[mask].float()
+    versions = output.get("policy_versions")
+    if versions is None:
+        versions = torch.zeros(out_ids.shape, dtype=torch.int32)
+    versions = versions.to(torch.int32)
     count_list = counts.tolist()
     token_lists = _split_list(flat_ids.tolist(), count_list)
     tokenizer = text_tokenizer(tokenizer)
@@ -75,7 +87,20 @@ def split_responses(
         counts=counts,
         flat_ids=flat_ids,
         ended_with_eos=ended,
+        versions=split_owned(versions[mask], count_list),
+        min_versions=_masked_extreme(versions, mask, torch.amin),
+        max_versions=_masked_extreme(versions, mask, torch.amax),
     )
+
+
+def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce: Any) -> torch.Tensor:
+    """Per row of ``values`` [b, L], ``reduce`` (``torch.amin`` or ``torch.amax``) over the
+    positions where ``mask`` holds, as int64; -1 for a row with none."""
+    if values.numel() == 0:
+        return torch.full((values.shape[0],), -1, dtype=torch.long)
+    fill = torch.iinfo(torch.int32).max if reduce is torch.amin else -1
+    extreme = reduce(values.masked_fill(~mask, fill), dim=1).long()
+    return extreme.masked_fill(~mask.any(dim=1), -1)
 
 
 def check_generation_output(output: Any, num_prompts: int) -> None:
@@ -92,11 +117,20 @@ def check_generation_output(output: Any, num_prompts: int) -> None:
             )
 
 
-def assistant_message(text: str, token_ids: torch.Tensor, logprobs: torch.Tensor | None) -> dict:
-    """The message appended to a log for one generated response."""
+def assistant_message(
+    text: str,
+    token_ids: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    versions: torch.Tensor | None = None,
+) -> dict:
+    """The message appended to a log for one generated response: ``token_ids`` [n],
+    ``generation_logprobs`` [n] float32 and ``generation_policy_versions`` [n] int32 (each
+    token's policy version), the last two when given."""
     message = {"role": "assistant", "content": text, "token_ids": token_ids}
     if logprobs is not None:
         message["generation_logprobs"] = logprobs
+    if versions is not None:
+        message["generation_policy_versions"] = versions
     return message
 
 

@@ -165,11 +165,34 @@ def _headline(
         *reward_tiles,
         Tile(fmt(sum(turns) / n), "mean turns", f"max {max(turns, default=0)}"),
         Tile(fmt(_mean(tokens)) if tokens else "-", "mean tokens", "per sample"),
+        *([_versions_tile(records)] if any("min_policy_version" in r for r in records) else []),
         Tile(fmt(truncated), "truncated", f"{100 * truncated / n:.0f}% of samples"),
         Tile(fmt(errors), "env errors", f"{100 * errors / n:.0f}% of samples"),
         Tile(f"{fmt(wall)} s" if wall is not None else "-", "wall time", "whole run"),
     ]
     return tiles, note
+
+
+def _versions_tile(records: list[dict]) -> Tile:
+    """The spread of policy versions that generated the run's tokens (shown for records
+    that carry ``min_policy_version`` / ``max_policy_version``).
+
+    >>> _versions_tile([{"min_policy_version": 2, "max_policy_version": 4},
+    ...                 {"min_policy_version": 3, "max_policy_version": 3}])
+    Tile(value='2-4', label='policy versions', note='at most 2 within a sample', color=None)
+    """
+    spans = [
+        (r["min_policy_version"], r.get("max_policy_version", r["min_policy_version"]))
+        for r in records
+        if r.get("min_policy_version", -1) >= 0
+    ]
+    if not spans:
+        return Tile("-", "policy versions", "no generated token")
+    low, high = min(lo for lo, _ in spans), max(hi for _, hi in spans)
+    if low == high:
+        return Tile(str(low), "policy version", "of every generated token")
+    widest = max(hi - lo for lo, hi in spans)
+    return Tile(f"{low}-{high}", "policy versions", f"at most {widest} within a sample")
 
 
 def _reward_tiles(

@@ -5,6 +5,7 @@
 strings ``rewards_json`` / ``extra_env_info_json``, since their keys vary by task;
 ``initial_extra_env_info`` likewise) plus per-token columns a trainer reads directly,
 aligned with ``input_ids``: ``generation_logprobs`` (0 outside generated tokens),
+``generation_policy_versions`` (each generated token's policy version; 0 elsewhere),
 ``loss_mask`` (1 on generated tokens) and ``message_token_counts``. A message whose content
 is a list of parts has its text parts joined in ``content`` and the parts themselves in
 ``parts_json`` (null for a string content). The image columns (empty or null without
@@ -42,10 +43,12 @@ PARQUET_SCHEMA = pa.schema(
         ("total_reward", pa.float64()), ("rewards_json", pa.string()),
         ("turn_rewards", pa.list_(pa.float64())), ("num_turns", pa.int64()),
         ("truncated", pa.bool_()), ("terminated", pa.bool_()), ("error", pa.string()),
-        ("loss_multiplier", pa.float64()), ("ground_truth", pa.string()),
+        ("loss_multiplier", pa.float64()), ("min_policy_version", pa.int64()),
+        ("max_policy_version", pa.int64()), ("ground_truth", pa.string()),
         ("extra_env_info_json", pa.string()), ("initial_extra_env_info_json", pa.string()),
         ("input_ids", pa.list_(pa.int64())),
-        ("generation_logprobs", pa.list_(pa.float32())), ("loss_mask", pa.list_(pa.int8())),
+        ("generation_logprobs", pa.list_(pa.float32())),
+        ("generation_policy_versions", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
         ("message_token_counts", pa.list_(pa.int32())),
         ("images", pa.list_(pa.binary())), ("image_messages", pa.list_(pa.int32())),
         ("image_grid_thw", pa.list_(pa.list_(pa.int64()))),

@@ -32,7 +32,13 @@ from envloop.data.multimodal_utils import PackedTensor, load_image
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.run.files import IMAGES_DIR
 
-TOKEN_KEYS = ("input_ids", "generation_logprobs", "loss_mask", "message_token_counts")
+TOKEN_KEYS = (
+    "input_ids",
+    "generation_logprobs",
+    "generation_policy_versions",
+    "loss_mask",
+    "message_token_counts",
+)
 """Per-token columns: Parquet only."""
 
 IMAGE_KEYS = ("images", "image_messages", "image_grid_thw")
@@ -111,6 +117,8 @@ def _record(
         "terminated": bool(final["terminated"][i]),
         "error": final["env_error"][i] or final["generation_error"][i],
         "loss_multiplier": float(final["loss_multiplier"][i]),
+        "min_policy_version": _version(final, "min_policy_version", i),
+        "max_policy_version": _version(final, "max_policy_version", i),
         "ground_truth": final["ground_truth"][i],
         "extra_env_info": jsonable(final["extra_env_info"][i]),
         "initial_extra_env_info": jsonable(final["initial_extra_env_info"][i]),
@@ -128,7 +136,7 @@ def _messages(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The messages of one sample and its token columns; its images go to ``images``."""
     messages, turn = [], -1
-    ids, logprobs, mask = [], [], []
+    ids, logprobs, versions, mask = [], [], [], []
     for j, message in enumerate(log):
         token_ids = message["token_ids"]
         generated = "generation_logprobs" in message
@@ -149,14 +157,22 @@ def _messages(
         logprobs.append(
             message["generation_logprobs"] if generated else torch.zeros(len(token_ids))
         )
+        versions.append(message.get("generation_policy_versions", torch.zeros(len(token_ids))))
         mask.append(torch.full((len(token_ids),), int(generated), dtype=torch.int8))
     tokens = {
         "input_ids": torch.cat(ids).tolist() if ids else [],
         "generation_logprobs": torch.cat(logprobs).float().tolist() if logprobs else [],
+        "generation_policy_versions": torch.cat(versions).int().tolist() if versions else [],
         "loss_mask": torch.cat(mask).tolist() if mask else [],
         "message_token_counts": [m["num_tokens"] for m in messages],
     }
     return messages, tokens
+
+
+def _version(final: BatchedDataDict[Any], key: str, i: int) -> int:
+    """Sample ``i``'s ``min_policy_version`` or ``max_policy_version`` (-1: no generated
+    token; also for a batch from before versions were recorded)."""
+    return int(final[key][i]) if key in final else -1
 
 
 class _Images:

@@ -160,9 +160,12 @@ def test_parquet_is_token_exact_against_the_jsonl(run_output, tokenizer):
                 assert message["content"] in tokenizer.decode(ids[piece])
             start += n
         assert any(lp < 0 for lp in row["generation_logprobs"])
+        assert row["generation_policy_versions"] == [0] * len(ids)  # no update in a run
+        assert row["min_policy_version"] == row["max_policy_version"] == 0
     assert [
         {k: v for k, v in r.items() if k not in ("input_ids", "generation_logprobs", "loss_mask",
-                                                  "message_token_counts")}
+                                                  "message_token_counts",
+                                                  "generation_policy_versions")}
         for r in read_rollouts(run)
     ] == records  # fmt: skip
 

@@ -18,6 +18,7 @@ from envloop.models.generation.interfaces import (
     GenerationInterface,
     GenerationOutputSpec,
 )
+from envloop.models.generation.policy_versions import next_policy_version
 
 
 class ScriptedGeneration(GenerationInterface):
@@ -30,6 +31,10 @@ class ScriptedGeneration(GenerationInterface):
         logprob: the log-probability reported for every generated token.
 
     ``calls`` records each ``generate`` call's stop strings, for tests.
+
+    Its "weights" are the script: :meth:`update_weights` takes a new ``respond`` function,
+    and every token it generates from then on carries the new policy version in
+    ``policy_versions``.
     """
 
     def __init__(
@@ -39,6 +44,19 @@ class ScriptedGeneration(GenerationInterface):
         self.respond = respond
         self.logprob = logprob
         self.calls: list[list[list[str] | None]] = []
+        self._policy_version = 0
+
+    def update_weights(self, weights: Any, *, version: int | None = None) -> int:
+        """Respond with ``weights`` (a function: decoded prompt -> response text) from now
+        on, as policy version ``version`` (None: the next one)."""
+        if not callable(weights):
+            raise TypeError(
+                f"ScriptedGeneration.update_weights takes the new respond function (decoded "
+                f"prompt -> response text), got {type(weights).__name__}."
+            )
+        self._policy_version = next_policy_version(self._policy_version, version)
+        self.respond = weights
+        return self._policy_version
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -78,9 +96,14 @@ class ScriptedGeneration(GenerationInterface):
             output_ids[i, length : length + len(ids)] = torch.tensor(ids, dtype=torch.long)
             logprobs[i, length : length + len(ids)] = self.logprob
         gen = torch.tensor(gen_lengths, dtype=torch.long)
+        positions = torch.arange(width)
+        starts = torch.tensor(lengths, dtype=torch.long)[:, None]
+        generated_at = (positions >= starts) & (positions < starts + gen[:, None])
+        versions = generated_at.to(torch.int32) * self._policy_version
         return BatchedDataDict(
             output_ids=output_ids,
             logprobs=logprobs,
+            policy_versions=versions,
             generation_lengths=gen,
             unpadded_sequence_lengths=torch.tensor(lengths, dtype=torch.long) + gen,
             truncated=torch.tensor(truncated, dtype=torch.bool),

@@ -1,0 +1,410 @@
+"""``ExperienceStream``: a continuous asynchronous rollout over a prompt source, for
+asynchronous RL.
+
+Each prompt of the source runs ``group_size`` times, on the per-sample engine of
+:mod:`envloop.experience.async_rollouts` (the same steps as every other engine). The stream
+holds a fixed set of sample slots (``max_concurrent_samples``); a prompt's group takes
+``group_size`` of them and gives them back the moment its last member ends, so new prompts
+start as soon as capacity frees and generation never waits for the consumer, until
+``max_buffered_groups`` finished groups wait unconsumed (backpressure).
+
+Staleness: a group's age is the backend's current ``policy_version`` minus the oldest
+version among its generated tokens. A group older than ``max_staleness`` when it finishes,
+or when it is handed to the consumer, is dropped and its prompt runs again (a
+regeneration), so every group the consumer receives is at most ``max_staleness`` versions
+old at that moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.experience.async_rollouts import FinishedGroup, SampleEngine
+from envloop.experience.env_dispatch import check_tasks_have_envs
+from envloop.experience.rollout_metrics import TIMING_PHASES, PhaseTimer
+from envloop.experience.rollout_options import AsyncRolloutOptions
+from envloop.experience.rollout_results import slot_rows
+from envloop.experience.rollout_state import RolloutState, check_limits
+from envloop.models.generation.interfaces import GenerationInterface
+
+__all__ = ["ExperienceStream"]
+
+DEFAULT_MAX_CONCURRENT_SAMPLES = 64
+"""Samples in flight when ``max_concurrent_samples`` is not given (rounded down to whole
+groups, and at least one group)."""
+
+
+@dataclass
+class _Group:
+    """One prompt's generations: where they run and what the consumer gets."""
+
+    number: int  # the prompt's position in the source
+    rows: BatchedDataDict[Any]  # group_size input rows (the prompt repeated)
+    slots: list[int] = field(default_factory=list)
+    left: int = 0  # members still running
+    runs: int = 0  # times it was started (1 + regenerations)
+
+
+@dataclass
+class _Counters:
+    groups_yielded: int = 0
+    groups_dropped_stale: int = 0
+    samples_yielded: int = 0
+    failed_samples: int = 0
+    turns: int = 0
+    generated_tokens: int = 0
+    staleness: list[int] = field(default_factory=list)  # age of each yielded group
+    version_spans: list[int] = field(default_factory=list)  # max - min of each yielded group
+    generation_wait_s: float = 0.0
+
+
+class ExperienceStream:
+    """Groups of generations over a prompt source, yielded as they finish.
+
+    ``async for group in stream`` yields a :class:`FinishedGroup` per prompt (its
+    ``group_size`` final rows, with the columns ``run_multi_turn_rollout`` returns, and the
+    span of policy versions they were generated with), in completion order, until the
+    source runs out or :meth:`close` is called. ``FinishedGroup.indices`` are the members'
+    positions in the source repeated ``group_size`` times (prompt k: ``k*group_size`` to
+    ``k*group_size + group_size - 1``). A failed sample (its environment or generation
+    failed) is a member of its group with ``loss_multiplier`` 0.
+
+    Args:
+        policy_generation: the policy; its ``policy_version`` is read when a group
+            finishes and when it is handed over (``update_weights`` moves it).
+        prompts: an iterable or async iterable of single ``DatumSpec`` rows (dicts), or a
+            ``BatchedDataDict`` (read row by row). Read lazily, one prompt per free group.
+        tokenizer, task_to_env, max_seq_len, max_rollout_turns, greedy: as for
+            ``run_multi_turn_rollout``.
+        group_size: generations per prompt.
+        max_staleness: most versions a yielded group's oldest token may lag behind the
+            backend's current version (0: strictly on-policy); None: no bound.
+        max_buffered_groups: finished groups that may wait unconsumed before no new prompt
+            is admitted; None: as many as run at once (``max_concurrent_samples //
+            group_size``).
+        **options: those of ``run_async_multi_turn_rollout``
+            (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`);
+            ``max_concurrent_samples`` defaults to 64 here.
+    """
+
+    def __init__(
+        self,
+        policy_generation: GenerationInterface,
+        prompts: Iterable[Any] | AsyncIterable[Any],
+        tokenizer: Any,
+        task_to_env: dict[str, Any],
+        max_seq_len: int,
+        max_rollout_turns: int = 999999,
+        greedy: bool = False,
+        *,
+        group_size: int = 1,
+        max_staleness: int | None = None,
+        max_buffered_groups: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.options = AsyncRolloutOptions.from_mapping(options)
+        check_limits(max_seq_len, max_rollout_turns)
+        _check_stream_args(group_size, max_staleness, max_buffered_groups)
+        concurrent = self.options.max_concurrent_samples or DEFAULT_MAX_CONCURRENT_SAMPLES
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.slots_total = max(1, concurrent // group_size) * group_size
+        self.max_buffered_groups = max_buffered_groups or self.slots_total // group_size
+        self.policy, self.task_to_env = policy_generation, task_to_env
+        self.state = RolloutState.empty(self.slots_total, tokenizer, max_seq_len)
+        self.timer = PhaseTimer()
+        options_here = self.options.model_copy(update={"max_concurrent_samples": self.slots_total})
+        self._engine = SampleEngine(
+            self.state, policy_generation, tokenizer, task_to_env, max_rollout_turns, greedy,
+            options_here, self.timer,
+        )  # fmt: skip
+        self._source = _prompt_rows(prompts)
+        self._free = deque(range(self.slots_total))
+        self._by_slot: dict[int, _Group] = {}
+        self._ready: deque[_Finished] = deque()
+        self._retry: deque[_Group] = deque()
+        self._running_groups = 0
+        self._source_done = False
+        self._started = self._closed = False
+        self._error: BaseException | None = None
+        self._changed: asyncio.Event | None = None
+        self._feeder: asyncio.Task[None] | None = None
+        self._counters = _Counters()
+
+    def __aiter__(self) -> AsyncIterator[FinishedGroup]:
+        return self
+
+    async def __anext__(self) -> FinishedGroup:
+        self._start()
+        assert self._changed is not None
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            if self._error is not None:
+                error, self._error = self._error, None
+                await self.close()
+                raise error
+            if self._ready:
+                group = self._ready.popleft()
+                self._notify()
+                if self._is_stale(group):
+                    self._regenerate(group)
+                    continue
+                return self._hand_over(group)
+            if self._exhausted():
+                await self.close()
+                raise StopAsyncIteration
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def close(self) -> None:
+        """Stop: cancel what is in flight (generation calls, environment calls) and wait
+        until no task of the stream runs; groups not yet yielded are dropped. Idempotent."""
+        if self._closed and self._feeder is None:
+            return
+        self._closed = True
+        feeder, self._feeder = self._feeder, None
+        if feeder is not None:
+            feeder.cancel()
+            await asyncio.gather(feeder, return_exceptions=True)
+        if self._started:
+            await self._engine.close()
+        self._notify()
+
+    def metrics(self) -> dict[str, float | int]:
+        """What the stream has done so far: ``groups_yielded``, ``groups_dropped_stale``,
+        ``regenerations`` (prompts run again because their group was stale),
+        ``samples_yielded``, ``env_or_generation_error_rate`` (failed members among those
+        yielded), ``total_turns``, ``total_generated_tokens``, ``mean_staleness`` and
+        ``max_staleness`` (versions between a yielded group's oldest token and the
+        backend's version when it was handed over), ``mean_version_span`` and
+        ``max_version_span`` (newest minus oldest version within a yielded group),
+        ``generation_wait_s`` (seconds admission was held because ``max_buffered_groups``
+        groups waited for the consumer) and ``timing/<phase>_s``."""
+        c = self._counters
+        metrics: dict[str, float | int] = {
+            "groups_yielded": c.groups_yielded,
+            "groups_dropped_stale": c.groups_dropped_stale,
+            "regenerations": c.groups_dropped_stale,
+            "samples_yielded": c.samples_yielded,
+            "env_or_generation_error_rate": c.failed_samples / max(c.samples_yielded, 1),
+            "total_turns": c.turns,
+            "total_generated_tokens": c.generated_tokens,
+            "mean_staleness": _mean(c.staleness),
+            "max_staleness": max(c.staleness, default=0),
+            "mean_version_span": _mean(c.version_spans),
+            "max_version_span": max(c.version_spans, default=0),
+            "generation_wait_s": c.generation_wait_s,
+        }
+        for name in TIMING_PHASES:
+            metrics[f"timing/{name}_s"] = self.timer.seconds.get(name, 0.0)
+        return metrics
+
+    # -- admission -------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._changed = asyncio.Event()
+        self._engine.start(self._member_finished, self._fail)
+        self._feeder = asyncio.ensure_future(self._feed())
+
+    async def _feed(self) -> None:
+        """Admit groups (regenerations first, then new prompts) while there is room."""
+        assert self._changed is not None
+        number = 0
+        while True:
+            await self._wait_for_room()
+            if self._retry:
+                self._begin(self._retry.popleft())
+                continue
+            try:
+                datum = await anext(self._source)
+            except StopAsyncIteration:
+                self._source_done = True
+                self._notify()
+                await self._wait_for_retry()
+                continue
+            except Exception as exc:
+                self._fail(exc)
+                return
+            try:
+                rows = _group_rows(datum, self.group_size, number)
+                self._begin(_Group(number, rows))
+            except Exception as exc:
+                self._fail(exc)
+                return
+            number += 1
+
+    async def _wait_for_room(self) -> None:
+        assert self._changed is not None
+        held_since = None
+        while not self._has_room():
+            if held_since is None and len(self._ready) >= self.max_buffered_groups:
+                held_since = time.perf_counter()
+            self._changed.clear()
+            await self._changed.wait()
+        if held_since is not None:
+            self._counters.generation_wait_s += time.perf_counter() - held_since
+
+    async def _wait_for_retry(self) -> None:
+        assert self._changed is not None
+        while not self._retry:
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _has_room(self) -> bool:
+        free_group = len(self._free) >= self.group_size
+        return free_group and len(self._ready) < self.max_buffered_groups
+
+    def _begin(self, group: _Group) -> None:
+        """Load ``group``'s prompt into free slots and start its members."""
+        if "task_name" in group.rows:
+            check_tasks_have_envs(list(group.rows["task_name"]), self.task_to_env)
+        slots = [self._free.popleft() for _ in range(self.group_size)]
+        try:
+            self.state.load(slots, group.rows)
+        except ValueError as exc:
+            self._free.extendleft(reversed(slots))
+            raise ValueError(f"prompt {group.number} of the stream's source: {exc}") from exc
+        group.slots, group.left, group.runs = slots, self.group_size, group.runs + 1
+        self._running_groups += 1
+        for slot in slots:
+            self._by_slot[slot] = group
+            self._engine.begin(slot)
+
+    # -- finishing ------------------------------------------------------------------
+
+    def _member_finished(self, slot: int) -> None:
+        group = self._by_slot.pop(slot)
+        group.left -= 1
+        if group.left:
+            return
+        self._running_groups -= 1
+        rows = slot_rows(group.rows.copy(), self.state, group.slots)
+        tokens = int(self.state.gen_tokens[group.slots].sum())
+        finished = _Finished(group, FinishedGroup.of(self._member_indices(group), rows), tokens)
+        self._free.extend(group.slots)
+        if self._is_stale(finished):
+            self._regenerate(finished)
+        else:
+            self._ready.append(finished)
+        self._notify()
+
+    def _is_stale(self, finished: _Finished) -> bool:
+        if self.max_staleness is None:
+            return False
+        oldest = finished.result.min_policy_version
+        return oldest >= 0 and self.policy.policy_version - oldest > self.max_staleness
+
+    def _regenerate(self, finished: _Finished) -> None:
+        self._counters.groups_dropped_stale += 1
+        self._retry.append(finished.group)
+        self._notify()
+
+    def _hand_over(self, finished: _Finished) -> FinishedGroup:
+        result, c = finished.result, self._counters
+        batch = result.batch
+        c.groups_yielded += 1
+        c.samples_yielded += batch.size
+        errors = zip(batch["env_error"], batch["generation_error"])
+        c.failed_samples += sum(e is not None or g is not None for e, g in errors)
+        c.turns += int(batch["num_turns"].sum())
+        c.generated_tokens += finished.generated_tokens
+        if result.min_policy_version >= 0:
+            c.staleness.append(self.policy.policy_version - result.min_policy_version)
+            c.version_spans.append(result.max_policy_version - result.min_policy_version)
+        return result
+
+    def _member_indices(self, group: _Group) -> list[int]:
+        first = group.number * self.group_size
+        return list(range(first, first + self.group_size))
+
+    def _exhausted(self) -> bool:
+        return (
+            self._source_done and not self._retry and not self._running_groups and not self._ready
+        )
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+
+@dataclass
+class _Finished:
+    """A group whose members all ended, waiting for the consumer."""
+
+    group: _Group
+    result: FinishedGroup
+    generated_tokens: int
+
+
+def _group_rows(datum: Any, group_size: int, number: int) -> BatchedDataDict[Any]:
+    """``datum`` (a ``DatumSpec`` dict or a one-row batch) as ``group_size`` input rows."""
+    if isinstance(datum, BatchedDataDict):
+        row = datum
+    elif isinstance(datum, dict):
+        row = BatchedDataDict({key: [value] for key, value in datum.items()})
+    else:
+        raise TypeError(
+            f"prompt {number} of the stream's source is a {type(datum).__name__}; give "
+            "DatumSpec dicts (message_log, task_name, ...) or a BatchedDataDict."
+        )
+    if row.size != 1:
+        raise ValueError(f"prompt {number} of the stream's source has {row.size} rows; give one")
+    return row.repeat_interleave(group_size)
+
+
+async def _prompt_rows(prompts: Any) -> AsyncIterator[Any]:
+    """The prompts one at a time: a ``BatchedDataDict``'s rows, or an (async) iterable's
+    items."""
+    if isinstance(prompts, BatchedDataDict):
+        for i in range(prompts.size):
+            yield prompts.select_indices([i])
+    elif isinstance(prompts, AsyncIterable):
+        async for datum in prompts:
+            yield datum
+    elif isinstance(prompts, Iterable) and not isinstance(prompts, (str, bytes, dict)):
+        for datum in prompts:
+            yield datum
+    else:
+        raise TypeError(
+            f"prompts is a {type(prompts).__name__}; give an iterable or async iterable of "
+            "DatumSpec dicts, or a BatchedDataDict."
+        )
+
+
+def _check_stream_args(group_size: Any, max_staleness: Any, max_buffered_groups: Any) -> None:
+    problems = []
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        problems.append(f"group_size must be an int >= 1, got {group_size!r}")
+    if max_staleness is not None and (
+        isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < 0
+    ):
+        problems.append(f"max_staleness must be None or an int >= 0, got {max_staleness!r}")
+    if max_buffered_groups is not None and (
+        isinstance(max_buffered_groups, bool)
+        or not isinstance(max_buffered_groups, int)
+        or max_buffered_groups < 1
+    ):
+        problems.append(
+            f"max_buffered_groups must be None or an int >= 1, got {max_buffered_groups!r}"
+        )
+    if problems:
+        raise ValueError("Invalid ExperienceStream arguments: " + "; ".join(problems))
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,288 @@
+"""ExperienceStream: every prompt one complete group, bounded staleness with regeneration,
+backpressure, close(), failures as data, and per-token policy versions in the engines."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from envloop.experience.rollouts import (
+    ExperienceStream,
+    RolloutStream,
+    run_multi_turn_rollout,
+)
+from envloop.models.generation.hf_generation import HfGeneration
+from envloop.models.generation.scripted_generation import ScriptedGeneration
+from tests.fixtures.batches import guess_sample, make_batch, scripted_respond
+from tests.fixtures.envs import FailingEnv, GuessNumberEnv
+
+SECRETS = [99, 50, 25, 37, 12, 80, 64, 3]
+
+
+def guess_rows(tokenizer, secrets=SECRETS):
+    """One DatumSpec dict per secret (guessing games: 1 to 7 turns by binary search)."""
+    batch = make_batch(tokenizer, [guess_sample(s) for s in secrets])
+    return [{key: batch[key][i] for key in batch} for i in range(batch.size)]
+
+
+async def collect(stream, on_group=None):
+    groups = []
+    async for group in stream:
+        groups.append(group)
+        if on_group is not None:
+            await on_group(group)
+    return groups
+
+
+def test_every_prompt_of_a_finite_source_yields_one_complete_group(tiny_tokenizer):
+    rows = guess_rows(tiny_tokenizer)
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(
+        policy, rows, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_concurrent_samples=6,
+    )  # fmt: skip
+    groups = asyncio.run(collect(stream))
+    assert sorted(g.indices for g in groups) == [[2 * k, 2 * k + 1] for k in range(len(rows))]
+    # The same trajectories as the batched engine on the same prompts, repeated twice.
+    batch = make_batch(tiny_tokenizer, [guess_sample(s) for s in SECRETS]).repeat_interleave(2)
+    final, _ = run_multi_turn_rollout(
+        policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512
+    )
+    for group in groups:
+        assert group.batch.size == 2
+        assert group.batch["num_turns"].tolist() == [final["num_turns"][i] for i in group.indices]
+        assert group.batch["total_reward"].tolist() == [1.0, 1.0]
+        for got, i in zip(group.batch["message_log"], group.indices):
+            assert [m["content"] for m in got] == [m["content"] for m in final["message_log"][i]]
+            assert torch.equal(
+                torch.cat([m["token_ids"] for m in got]),
+                torch.cat([m["token_ids"] for m in final["message_log"][i]]),
+            )
+        assert (group.min_policy_version, group.max_policy_version) == (0, 0)
+    metrics = stream.metrics()
+    assert metrics["groups_yielded"] == len(rows)
+    assert metrics["samples_yielded"] == 2 * len(rows)
+    assert metrics["groups_dropped_stale"] == 0
+    assert metrics["total_turns"] == int(final["num_turns"].sum())
+
+
+@pytest.mark.parametrize("source", ["batch", "async"])
+def test_a_batch_or_an_async_iterable_is_read_row_by_row(tiny_tokenizer, source):
+    rows = guess_rows(tiny_tokenizer, SECRETS[:3])
+    batch = make_batch(tiny_tokenizer, [guess_sample(s) for s in SECRETS[:3]])
+
+    async def prompts():
+        for row in rows:
+            await asyncio.sleep(0)
+            yield row
+
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(
+        policy, batch if source == "batch" else prompts(), tiny_tokenizer,
+        {"guess": GuessNumberEnv()}, 512,
+    )  # fmt: skip
+    groups = asyncio.run(collect(stream))
+    assert sorted(g.indices for g in groups) == [[0], [1], [2]]
+    by_index = {g.indices[0]: g.batch for g in groups}
+    assert [by_index[k]["idx"] for k in range(3)] == [[0], [1], [2]]
+    assert [by_index[k]["num_turns"].tolist() for k in range(3)] == [[6], [1], [2]]
+
+
+def versioned_respond(version):
+    """The scripted guesser, with the version it plays as in every response."""
+
+    def respond(prompt_text):
+        return f"v{version} " + scripted_respond(prompt_text)
+
+    return respond
+
+
+def test_strictly_on_policy_groups_never_span_versions_and_stale_ones_run_again(tiny_tokenizer):
+    rows = guess_rows(tiny_tokenizer)
+    policy = ScriptedGeneration(tiny_tokenizer, versioned_respond(0))
+    stream = ExperienceStream(
+        policy, rows, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_staleness=0, max_concurrent_samples=8,
+    )  # fmt: skip
+
+    async def train_then_update(group):
+        assert group.min_policy_version == group.max_policy_version == policy.policy_version
+        policy.update_weights(versioned_respond(policy.policy_version + 1))
+
+    groups = asyncio.run(collect(stream, train_then_update))
+    assert sorted(g.indices for g in groups) == [[2 * k, 2 * k + 1] for k in range(len(rows))]
+    for group in groups:
+        version = group.min_policy_version
+        for log in group.batch["message_log"]:
+            for message in log:
+                if message["role"] == "assistant":
+                    assert message["content"].startswith(f"v{version} ")
+                    assert message["generation_policy_versions"].tolist() == [version] * len(
+                        message["token_ids"]
+                    )
+        assert group.batch["min_policy_version"].tolist() == [version, version]
+        assert group.batch["max_policy_version"].tolist() == [version, version]
+    metrics = stream.metrics()
+    assert metrics["groups_dropped_stale"] > 0
+    assert metrics["regenerations"] == metrics["groups_dropped_stale"]
+    assert metrics["max_staleness"] == 0 and metrics["max_version_span"] == 0
+    assert metrics["groups_yielded"] == len(rows)
+
+
+def test_without_a_bound_groups_keep_the_versions_they_were_generated_with(tiny_tokenizer):
+    rows = guess_rows(tiny_tokenizer)
+    policy = ScriptedGeneration(tiny_tokenizer, versioned_respond(0))
+    stream = ExperienceStream(
+        policy, rows, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_concurrent_samples=16,
+    )  # fmt: skip
+
+    async def update(group):
+        policy.update_weights(versioned_respond(policy.policy_version + 1))
+        await asyncio.sleep(0.01)  # let the other samples take turns under the new version
+
+    groups = asyncio.run(collect(stream, update))
+    assert len(groups) == len(rows) and stream.metrics()["groups_dropped_stale"] == 0
+    spans = []
+    for group in groups:
+        turn_versions = [
+            [int(m["generation_policy_versions"][0]) for m in log if m["role"] == "assistant"]
+            for log in group.batch["message_log"]
+        ]
+        for versions, log in zip(turn_versions, group.batch["message_log"]):
+            contents = [m["content"] for m in log if m["role"] == "assistant"]
+            assert [c.split()[0] for c in contents] == [f"v{v}" for v in versions]
+        flat = [v for versions in turn_versions for v in versions]
+        assert (group.min_policy_version, group.max_policy_version) == (min(flat), max(flat))
+        spans.append(max(flat) - min(flat))
+    assert max(spans) > 0  # the long games played on across updates
+    assert stream.metrics()["max_version_span"] == max(spans)
+
+
+def test_backpressure_holds_admission_while_the_consumer_sleeps(tiny_tokenizer):
+    taken = []
+
+    def prompts():
+        for k, row in enumerate(guess_rows(tiny_tokenizer) * 4):
+            taken.append(k)
+            yield row
+
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(
+        policy, prompts(), tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_concurrent_samples=4, max_buffered_groups=1,
+    )  # fmt: skip
+    seen = []
+
+    async def sleepy_consumer(group):
+        before = len(taken)
+        await asyncio.sleep(0.2)  # generation is instant: it could run far ahead
+        seen.append((before, len(taken)))
+        # Taken at most: the groups consumed, one buffered, and two running.
+        assert len(taken) <= len(seen) + 1 + 2
+
+    groups = asyncio.run(collect(stream, sleepy_consumer))
+    assert len(groups) == 4 * len(SECRETS)
+    assert stream.metrics()["generation_wait_s"] > 0
+
+
+def test_a_failing_environment_leaves_its_sample_in_the_group(tiny_tokenizer):
+    batch = make_batch(
+        tiny_tokenizer, [guess_sample(50), {"task": "failing", "prompt": "Anything."}]
+    )
+    rows = [{key: batch[key][i] for key in batch} for i in range(2)]
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    envs = {"guess": GuessNumberEnv(), "failing": FailingEnv()}
+    stream = ExperienceStream(policy, rows, tiny_tokenizer, envs, 512, group_size=3)
+    groups = {g.indices[0]: g for g in asyncio.run(collect(stream))}
+    failed = groups[3].batch
+    assert failed.size == 3 and failed["loss_multiplier"] == [0.0, 0.0, 0.0]
+    assert all(e.startswith("env failing.step raised:") for e in failed["env_error"])
+    assert groups[0].batch["loss_multiplier"] == [1.0, 1.0, 1.0]
+    assert stream.metrics()["env_or_generation_error_rate"] == 0.5
+
+
+def test_close_mid_stream_leaves_nothing_running(tiny_policy_dir):
+    policy = HfGeneration({"model_name": str(tiny_policy_dir), "max_new_tokens": 40})
+    tokenizer = policy.tokenizer
+    rows = guess_rows(tokenizer) * 8
+
+    before = set(threading.enumerate())
+
+    async def first_group_then_close():
+        stream = ExperienceStream(
+            policy, rows, tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+            max_concurrent_samples=8,
+        )  # fmt: skip
+        first = await anext(stream)
+        await stream.close()
+        leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return first, leftover
+
+    first, leftover = asyncio.run(first_group_then_close())
+    assert first.batch.size == 2 and leftover == []
+    started = set(threading.enumerate()) - before
+    assert not [t for t in started if t.name.startswith("envloop-env")]
+    for thread in [t for t in started if t.name == "envloop-decode"]:
+        thread.join(timeout=60)  # drops the abandoned rows at its next step, then ends
+        assert not thread.is_alive()
+    assert policy.decode_stats()[0]["requests"] > 2  # other groups were mid-generation
+
+
+def test_arguments_are_checked_together(tiny_tokenizer):
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    with pytest.raises(ValueError) as info:
+        ExperienceStream(
+            policy, [], tiny_tokenizer, {}, 512, group_size=0, max_staleness=-1,
+            max_buffered_groups=True,
+        )  # fmt: skip
+    assert str(info.value) == (
+        "Invalid ExperienceStream arguments: group_size must be an int >= 1, got 0; "
+        "max_staleness must be None or an int >= 0, got -1; "
+        "max_buffered_groups must be None or an int >= 1, got True"
+    )
+
+
+def test_a_bad_prompt_names_its_position_in_the_source(tiny_tokenizer):
+    rows = guess_rows(tiny_tokenizer, SECRETS[:2])
+    bad = dict(rows[1], task_name="gues")
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(
+        policy, [rows[0], bad], tiny_tokenizer, {"guess": GuessNumberEnv()}, 512
+    )
+    with pytest.raises(ValueError, match="gues.*Did you mean 'guess'"):
+        asyncio.run(collect(stream))
+
+
+def test_generation_policy_versions_reach_the_final_batch(tiny_tokenizer):
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    policy.update_weights(scripted_respond, version=3)
+    batch = make_batch(tiny_tokenizer, [guess_sample(50), guess_sample(25)])
+    final, _ = run_multi_turn_rollout(
+        policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512
+    )
+    assert final["min_policy_version"].tolist() == [3, 3]
+    assert final["max_policy_version"].tolist() == [3, 3]
+    for log in final["message_log"]:
+        for message in log:
+            if message["role"] == "assistant":
+                versions = message["generation_policy_versions"]
+                assert versions.dtype == torch.int32
+                assert versions.tolist() == [3] * len(message["token_ids"])
+
+
+def test_rollout_stream_groups_carry_their_version_span(tiny_tokenizer):
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    batch = make_batch(tiny_tokenizer, [guess_sample(50)] * 2)
+
+    async def groups():
+        stream = RolloutStream(policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512)
+        return [g async for g in stream.groups(2)]
+
+    (group,) = asyncio.run(groups())
+    assert (group.min_policy_version, group.max_policy_version) == (0, 0)
