@@ -34,7 +34,7 @@ def test_python_blocks_are_found_with_their_skip_reasons():
 def test_readme_python_blocks_run_as_written(ray_session, capsys):
     blocks = python_blocks(README.read_text(encoding="utf-8"))
     server = "needs a server listening on 127.0.0.1:8000"
-    assert [reason for reason, _ in blocks] == [None, None, None, None, server]
+    assert [reason for reason, _ in blocks] == [None, None, None, None, server, None]
     namespace: dict = {"__name__": "__main__"}  # as `python script.py` runs it
     try:
         for reason, code in blocks:
@@ -45,11 +45,12 @@ def test_readme_python_blocks_run_as_written(ray_session, capsys):
     finally:
         ENV_REGISTRY.pop("echo", None)
     # The sync rollout in process and on a Ray actor, the async one, then its groups as they
-    # finish: the prompt answered in one turn first; then the vision-language rollout.
-    assert capsys.readouterr().out.splitlines()[-7:] == [
+    # finish: the prompt answered in one turn first; then the vision-language rollout; then
+    # the training loop over an ExperienceStream (two groups, one weight update after each).
+    assert capsys.readouterr().out.splitlines()[-8:] == [
         *["[1.0, 1.0] 1.5"] * 3, "[0, 1] [1.0, 1.0]", "[2, 3] [1.0, 1.0]",
         "['user', 'assistant', 'user', 'assistant', 'user']",
-        "[[[1, 6, 4]], [[1, 4, 4]], [[1, 4, 4]]]",
+        "[[[1, 6, 4]], [[1, 4, 4]], [[1, 4, 4]]]", "2 2",
     ]  # fmt: skip
 
 
