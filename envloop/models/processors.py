@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_processor", "processor_without_video", "torchvision_available"]
+__all__ = [
+    "load_processor",
+    "processor_build",
+    "processor_without_video",
+    "torchvision_available",
+]
 
 
 def torchvision_available() -> bool:
@@ -42,6 +48,18 @@ def load_processor(name: str, **kwargs: Any) -> Any:
     return processor_without_video(processor_class)(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
     )
+
+
+def processor_build(
+    processor_class: type, video_processor: Callable[[], Any]
+) -> tuple[type, dict[str, Any]]:
+    """How to build a new ``processor_class``: the class and the keyword arguments beside
+    its image processor and tokenizer. Where torchvision is installed, with the video
+    processor ``video_processor()`` makes (transformers requires one there); else the class
+    without a video processor (:func:`processor_without_video`)."""
+    if torchvision_available():
+        return processor_class, {"video_processor": video_processor()}
+    return processor_without_video(processor_class), {}
 
 
 @functools.cache

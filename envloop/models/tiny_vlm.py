@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from envloop.models.processors import processor_without_video, torchvision_available
+from envloop.models.processors import processor_build
 from envloop.models.tiny import TRAINING_CORPUS, train_chatml_tokenizer
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
@@ -51,12 +51,18 @@ def build_tiny_vlm_processor(
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = VL_CHATML_TEMPLATE
     image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    processor_class: Any = Qwen2_5_VLProcessor
-    if not torchvision_available():
-        processor_class = processor_without_video(Qwen2_5_VLProcessor)
+    processor_class, video = processor_build(Qwen2_5_VLProcessor, _video_processor)
     return processor_class(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=VL_CHATML_TEMPLATE
-    )
+        image_processor=image_processor, tokenizer=tokenizer, chat_template=VL_CHATML_TEMPLATE,
+        **video,
+    )  # fmt: skip
+
+
+def _video_processor() -> Any:
+    """The tiny processor's video processor (built only where torchvision is installed)."""
+    from transformers import Qwen2VLVideoProcessor
+
+    return Qwen2VLVideoProcessor(patch_size=PATCH, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
 
 
 def tiny_vlm_config(processor: Any, hidden_size: int = 64, layers: int = 2) -> Any:
