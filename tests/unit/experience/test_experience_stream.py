@@ -286,3 +286,75 @@ def test_rollout_stream_groups_carry_their_version_span(tiny_tokenizer):
 
     (group,) = asyncio.run(groups())
     assert (group.min_policy_version, group.max_policy_version) == (0, 0)
+
+
+@torch.no_grad()
+def teacher_forced(model, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Logprobs of ids[start:] under ``model`` (temperature 1, no filtering), one pass."""
+    logits = model(ids[None]).logits[0, start - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[start:, None])[:, 0]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_real_policy_updated_between_groups_yields_on_policy_groups(
+    ray_session, untied_policy_dir
+):
+    """Strictly on-policy over a Ray-actor environment: the consumer pushes new weights after
+    every group; each group it gets was generated wholly by the weights it then held, token
+    for token (logprobs against teacher forcing by those weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from envloop.environments.interfaces import actor_class
+
+    policy = HfGeneration({"model_name": str(untied_policy_dir), "max_new_tokens": 8})
+    tokenizer = policy.tokenizer
+    weights = [AutoModelForCausalLM.from_pretrained(untied_policy_dir).eval()]
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        model = AutoModelForCausalLM.from_pretrained(untied_policy_dir).eval()
+        with torch.no_grad():
+            for tensor in model.parameters():
+                tensor.add_(torch.randn(tensor.shape, generator=generator) * 0.05)
+        weights.append(model)
+    env = actor_class(GuessNumberEnv, num_cpus=0).remote()
+    rows = guess_rows(tokenizer, [10, 20, 30, 40])
+    for row in rows:
+        row["extra_env_info"]["max_guesses"] = 2
+
+    async def train():
+        stream = ExperienceStream(
+            policy, rows, tokenizer, {"guess": env}, 256, group_size=2, max_staleness=0,
+            max_concurrent_samples=4,
+        )  # fmt: skip
+        groups = []
+        async for group in stream:
+            groups.append((group, policy.policy_version))
+            if policy.policy_version < 3:
+                policy.update_weights(weights[policy.policy_version + 1].state_dict())
+        return groups, stream.metrics()
+
+    try:
+        groups, metrics = asyncio.run(train())
+    finally:
+        ray_session.kill(env)
+    assert sorted(g.indices for g, _ in groups) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [version for _, version in groups] == [0, 1, 2, 3]
+    for group, version in groups:
+        assert (group.min_policy_version, group.max_policy_version) == (version, version)
+        for log in group.batch["message_log"]:
+            ids = torch.cat([m["token_ids"] for m in log])
+            start = 0
+            for message in log:
+                end = start + len(message["token_ids"])
+                if message["role"] == "assistant":
+                    assert message["generation_policy_versions"].tolist() == [version] * (
+                        end - start
+                    )
+                    torch.testing.assert_close(
+                        message["generation_logprobs"],
+                        teacher_forced(weights[version], ids[:end], start),
+                        atol=1e-4, rtol=0,
+                    )  # fmt: skip
+                start = end
+    assert metrics["groups_yielded"] == 4 and metrics["max_staleness"] == 0
