@@ -70,7 +70,8 @@ class ExperienceStream:
     ``async for group in stream`` yields a :class:`FinishedGroup` per prompt (its
     ``group_size`` final rows, with the columns ``run_multi_turn_rollout`` returns, and the
     span of policy versions they were generated with), in completion order, until the
-    source runs out or :meth:`close` is called. ``FinishedGroup.indices`` are the members'
+    source runs out or :meth:`close` is called (``async with ExperienceStream(...) as
+    stream:`` closes it however the block ends). ``FinishedGroup.indices`` are the members'
     positions in the source repeated ``group_size`` times (prompt k: ``k*group_size`` to
     ``k*group_size + group_size - 1``). A failed sample (its environment or generation
     failed) is a member of its group with ``loss_multiplier`` 0.
@@ -139,6 +140,12 @@ class ExperienceStream:
 
     def __aiter__(self) -> AsyncIterator[FinishedGroup]:
         return self
+
+    async def __aenter__(self) -> ExperienceStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     async def __anext__(self) -> FinishedGroup:
         self._start()

@@ -224,8 +224,17 @@ def test_close_mid_stream_leaves_nothing_running(tiny_policy_dir):
             await anext(stream)
         return first, leftover
 
+    async def leave_the_block_early():
+        async with ExperienceStream(
+            policy, rows, tokenizer, {"guess": GuessNumberEnv()}, 512, max_concurrent_samples=4
+        ) as stream:
+            async for _ in stream:
+                break
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
     first, leftover = asyncio.run(first_group_then_close())
     assert first.batch.size == 2 and leftover == []
+    assert asyncio.run(leave_the_block_early()) == []
     started = set(threading.enumerate()) - before
     assert not [t for t in started if t.name.startswith("envloop-env")]
     for thread in [t for t in started if t.name == "envloop-decode"]:
