@@ -28,11 +28,23 @@ def torchvision_available() -> bool:
 
 def load_processor(name: str, **kwargs: Any) -> Any:
     """The processor of a local folder or hub id (``AutoProcessor``), without a video
-    processor when torchvision is missing. ``kwargs`` go to every ``from_pretrained``."""
+    processor when torchvision is missing or the folder has none (one saved where
+    torchvision was missing, as the bundled models are). ``kwargs`` go to every
+    ``from_pretrained``."""
     from transformers import AutoProcessor
 
     if torchvision_available():
-        return AutoProcessor.from_pretrained(name, **kwargs)
+        try:
+            return AutoProcessor.from_pretrained(name, **kwargs)
+        except (OSError, ValueError) as exc:
+            if "video" not in str(exc).lower():
+                raise
+            # saved without a video processor (where torchvision was missing): build it so
+    return _processor_without_video(name, **kwargs)
+
+
+def _processor_without_video(name: str, **kwargs: Any) -> Any:
+    """The processor of ``name`` built from its image processor and tokenizer alone."""
     from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
     from transformers.models.auto.processing_auto import processor_class_from_name
 
