@@ -1,5 +1,6 @@
 """The zero-cost rollout workload shared by the overhead benchmarks: a Ray-actor countdown
-environment, a policy that appends a fixed response for (almost) nothing, and its batch.
+environment, a policy that appends a fixed response for (almost) nothing (in one batch, or
+handing rows back one at a time as continuous batching does), and its batch.
 
 Scripts import this module by name; they put ``benchmarks/`` on ``PYTHONPATH`` so that Ray
 workers can import it too (see :func:`start_ray`).
@@ -7,6 +8,7 @@ workers can import it too (see :func:`start_ray`).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -101,3 +103,27 @@ def make_batch(tokenizer: Any, samples: int) -> BatchedDataDict:
         loss_multiplier=[1.0] * samples,
         idx=list(range(samples)),
     )
+
+
+class StreamingResponsePolicy(FixedResponsePolicy):
+    """:class:`FixedResponsePolicy` whose ``generate_async`` hands rows back one at a time,
+    as ``HfGeneration``'s continuous batching and ``ServerGeneration`` do: ``(row, one-row
+    output)``, each after a turn of the event loop (``await asyncio.sleep(0)``), so no two
+    rows arrive in the same tick. Outputs carry ``policy_versions`` (0, as a backend at its
+    first weights reports them). ``seconds`` counts only the policy's own work."""
+
+    def generate(self, data, greedy=False):
+        output = super().generate(data, greedy)
+        start = time.perf_counter()
+        output["policy_versions"] = torch.zeros(output["output_ids"].shape, dtype=torch.int32)
+        self.seconds += time.perf_counter() - start
+        return output
+
+    async def generate_async(self, data, greedy=False):
+        output = self.generate(data, greedy)
+        for j in range(len(output["generation_lengths"])):
+            await asyncio.sleep(0)
+            start = time.perf_counter()
+            row = output.slice(j, j + 1)
+            self.seconds += time.perf_counter() - start
+            yield j, row

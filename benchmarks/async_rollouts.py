@@ -5,6 +5,13 @@
 environment); overhead = rollout wall time minus the policy's own ``generate`` time. Target:
 async within 1.5x of sync.
 
+``streaming``: the same workload and measure with a zero-cost policy whose ``generate_async``
+hands rows back one per event-loop tick (as continuous batching and inference servers do),
+for the sync engine (its ``generate``), ``RolloutStream`` (``run_async_multi_turn_rollout``)
+and ``ExperienceStream`` (the rows as ``DatumSpec`` dicts, groups of one, every sample in
+flight, no staleness bound); each against the sync run beside it. Target: within 1.5x of
+sync.
+
 ``long-tail``: wall time on a workload whose turn counts (1-12), response lengths and
 environment latencies differ per sample and are heavy-tailed (5% of responses and of
 environment steps take 50x the median), against a simulated batched decoder (see
@@ -12,10 +19,12 @@ environment steps take 50x the median), against a simulated batched decoder (see
 at least 2x faster than sync, and within 1.25x of the lower bound (see
 :meth:`LongTailWorkload.lower_bound_s`).
 
-``profile``: the async engine once on the ``overhead`` workload under cProfile (the event
-loop's thread), top functions by own time.
+``profile``: one engine once under cProfile (the event loop's thread), top functions by own
+and cumulative time: ``--engine async`` on the ``overhead`` workload, ``RolloutStream`` or
+``ExperienceStream`` on the ``streaming`` one, ``long-tail`` the async engine on the long tail.
 
-    .venv/bin/python benchmarks/async_rollouts.py [all|overhead|long-tail|profile] [--quick]
+    .venv/bin/python benchmarks/async_rollouts.py [all|overhead|streaming|long-tail|profile]
+        [--engine ENGINE] [--repeats N] [--quick]
 """
 
 from __future__ import annotations
@@ -46,18 +55,32 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-from _workloads import PHASES, CountdownEnv, FixedResponsePolicy, load_avg, make_batch, start_ray
+from _workloads import (
+    PHASES,
+    CountdownEnv,
+    FixedResponsePolicy,
+    StreamingResponsePolicy,
+    load_avg,
+    make_batch,
+    start_ray,
+)
 
 import envloop
 from envloop.data.llm_message_utils import get_formatted_message_log
+from envloop.data.tokenization import decode_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.interfaces import EnvironmentReturn, actor_class
 from envloop.environments.sample_environment import SampleEnvironment, SampleStep
-from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
+from envloop.experience.rollouts import (
+    ExperienceStream,
+    run_async_multi_turn_rollout,
+    run_multi_turn_rollout,
+)
 from envloop.models.generation.interfaces import GenerationInterface
 from tests.fixtures.tiny_models import build_tiny_tokenizer
 
 ENGINES = ("sync", "async")
+STREAMING_ENGINES = ("sync", "RolloutStream", "ExperienceStream")
 
 
 def run_engine(engine: str, *args: Any, **options: Any) -> tuple[BatchedDataDict, dict]:
@@ -69,6 +92,8 @@ def run_engine(engine: str, *args: Any, **options: Any) -> tuple[BatchedDataDict
     asyncio.run`` measures it)."""
     if engine == "sync":
         return run_multi_turn_rollout(*args, **options)
+    if engine == "ExperienceStream":
+        return run_experience_stream(*args, **options)
     rollout = run_async_multi_turn_rollout(*args, **options)
     if engine == "async, result from asyncio.run":
         return asyncio.run(rollout)
@@ -81,6 +106,25 @@ def run_engine(engine: str, *args: Any, **options: Any) -> tuple[BatchedDataDict
     return result[0]
 
 
+def run_experience_stream(
+    policy: Any, batch: BatchedDataDict, tokenizer: Any, envs: dict, max_seq_len: int
+) -> tuple[None, dict]:
+    """The batch's rows, as ``DatumSpec`` dicts, through one ``ExperienceStream`` (groups of
+    one, every sample in flight at once, no staleness bound); its metrics."""
+    rows = [{key: batch[key][i] for key in batch} for i in range(batch.size)]
+
+    async def consume() -> dict:
+        stream = ExperienceStream(
+            policy, rows, tokenizer, envs, max_seq_len, group_size=1,
+            max_concurrent_samples=batch.size, max_staleness=None,
+        )  # fmt: skip
+        async for _ in stream:
+            pass
+        return stream.metrics()
+
+    return None, asyncio.run(consume())
+
+
 def spread(values: list[float]) -> str:
     """``median (min-max)`` of ``values``, to 1 decimal."""
     return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
@@ -89,46 +133,84 @@ def spread(values: list[float]) -> str:
 # --- overhead ---------------------------------------------------------------------------------
 
 
-def overhead_run(engine: str, args: argparse.Namespace, tokenizer: Any, env: Any) -> dict:
-    """One zero-cost rollout: µs per sample-turn of overhead in total and per phase."""
-    policy = FixedResponsePolicy(tokenizer)
+def overhead_run(
+    engine: str,
+    args: argparse.Namespace,
+    tokenizer: Any,
+    env: Any,
+    policy_class: type | None = None,
+) -> dict:
+    """One zero-cost rollout: µs per sample-turn of overhead in total and per phase (with
+    ``policy_class``, default :class:`FixedResponsePolicy`)."""
+    policy = (policy_class or FixedResponsePolicy)(tokenizer)
     batch = make_batch(tokenizer, args.samples)
     start = time.perf_counter()
     _, metrics = run_engine(engine, policy, batch, tokenizer, {"countdown": env}, 512)
     overhead = time.perf_counter() - start - policy.seconds
     sample_turns = args.samples * args.turns
-    if metrics["total_turns"] != sample_turns:
+    if metrics["total_turns"] != sample_turns:  # ExperienceStream counts them too
         raise RuntimeError(f"{engine}: {metrics['total_turns']} turns, expected {sample_turns}")
     us = {p: 1e6 * metrics[f"timing/{p}_s"] / sample_turns for p in PHASES}
     us["total overhead"] = 1e6 * overhead / sample_turns
     return us
 
 
-def overhead_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+def overhead_runs(
+    engines: tuple[str, ...], args: argparse.Namespace, tokenizer: Any, policy_class: type
+) -> dict[str, list[dict]]:
+    """``args.repeats`` zero-cost rollouts per engine, interleaved (so load drift hits every
+    engine alike), against one Ray-actor environment."""
     import ray
 
     env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
     ray.get(env.__ray_ready__.remote())
-    runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
-    for _ in range(args.repeats):  # interleaved, so load drift hits both engines alike
-        for engine in ENGINES:
-            runs[engine].append(overhead_run(engine, args, tokenizer, env))
-    direct = overhead_run("async, result from asyncio.run", args, tokenizer, env)
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for _ in range(args.repeats):
+        for engine in engines:
+            runs[engine].append(overhead_run(engine, args, tokenizer, env, policy_class))
     ray.kill(env)
+    return runs
+
+
+def overhead_table(engines: tuple[str, ...], runs: dict[str, list[dict]]) -> list[str]:
+    """Per phase, each engine's median (min-max), and each engine's total against sync:
+    the median of the per-repetition ratios (each run against the sync run beside it) and
+    their spread."""
+    others = engines[1:]
     lines = [
-        f"Overhead, µs per sample-turn ({args.samples} samples x {args.turns} turns, zero-cost "
-        f"policy, Ray-actor env; median (min-max) of {args.repeats}; load {load_avg()})",
-        "",
-        "| phase | sync | async | async / sync |",
-        "|---|---:|---:|---:|",
+        "| phase | " + " | ".join(engines) + " |",
+        "|---|" + "---:|" * len(engines),
     ]
     for phase in [*PHASES, "total overhead"]:
-        sync, asyn = ([r[phase] for r in runs[e]] for e in ENGINES)
-        ratio = statistics.median(asyn) / max(statistics.median(sync), 1e-9)
-        lines.append(f"| {phase} | {spread(sync)} | {spread(asyn)} | {ratio:.2f}x |")
+        cells = [spread([r[phase] for r in runs[e]]) for e in engines]
+        lines.append(f"| {phase} | " + " | ".join(cells) + " |")
+    sync = [r["total overhead"] for r in runs["sync"]]
+    ratios = {e: [r["total overhead"] / s for r, s in zip(runs[e], sync)] for e in others}
+    cells = [f"{spread_ratio(ratios[e])}" for e in others]
+    lines.append("| total / sync, per repetition | 1 | " + " | ".join(cells) + " |")
+    return lines
+
+
+def spread_ratio(values: list[float]) -> str:
+    """``median (min-max)x`` of ratios, to 2 decimals."""
+    return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
+def overhead_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    import ray
+
+    runs = overhead_runs(ENGINES, args, tokenizer, FixedResponsePolicy)
+    env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
+    ray.get(env.__ray_ready__.remote())
+    direct = overhead_run("async, result from asyncio.run", args, tokenizer, env)
+    ray.kill(env)
     sync_total = statistics.median(r["total overhead"] for r in runs["sync"])
     return [
-        *lines,
+        f"Overhead, µs per sample-turn ({args.samples} samples x {args.turns} turns, zero-cost "
+        f"policy answering each call in one batch, Ray-actor env; median (min-max) of "
+        f"{args.repeats}; load {load_avg()})",
+        "",
+        *overhead_table(ENGINES, runs),
         "",
         "(A phase counts the wall time during which at least one of its calls ran; async phases "
         "overlap one another.) The async "
@@ -139,25 +221,60 @@ def overhead_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
     ]
 
 
+def streaming_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    runs = overhead_runs(STREAMING_ENGINES, args, tokenizer, StreamingResponsePolicy)
+    return [
+        f"Overhead with a streaming policy, µs per sample-turn ({args.samples} samples x "
+        f"{args.turns} turns, zero-cost policy whose generate_async hands rows back one per "
+        f"event-loop tick, Ray-actor env; sync calls its generate; RolloutStream is "
+        f"run_async_multi_turn_rollout, ExperienceStream takes the rows as DatumSpec dicts "
+        f"(group_size=1, max_concurrent_samples={args.samples}, max_staleness=None); median "
+        f"(min-max) of {args.repeats}, engines interleaved; load {load_avg()})",
+        "",
+        *overhead_table(STREAMING_ENGINES, runs),
+    ]
+
+
+PROFILED = {
+    "async": FixedResponsePolicy,
+    "RolloutStream": StreamingResponsePolicy,
+    "ExperienceStream": StreamingResponsePolicy,
+}
+"""The engines ``profile`` can run on the overhead workload, each with its policy."""
+
+
 def profile_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
-    """The async engine once on the overhead workload, under cProfile."""
+    """``args.engine`` once on the overhead workload (or the async engine once on the long
+    tail), under cProfile."""
     import ray
 
-    env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
+    if args.engine == "long-tail":
+        workload = LongTailWorkload.draw(
+            args.lt_samples, args.lt_turns, args.step_ms / 1e3, args.cap
+        )
+        env = long_tail_env(workload)
+        run = lambda: long_tail_run("async", workload, tokenizer, env)  # noqa: E731
+        measured = "wall {wall:.2f} s"
+    else:
+        env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
+        policy = PROFILED[args.engine]
+        run = lambda: overhead_run(args.engine, args, tokenizer, env, policy)  # noqa: E731
+        measured = "overhead {total overhead:.1f} µs per sample-turn"
     ray.get(env.__ray_ready__.remote())
-    overhead_run("async", args, tokenizer, env)  # warm-up
+    run()  # warm-up
     profiler = cProfile.Profile()
     profiler.enable()
-    us = overhead_run("async", args, tokenizer, env)
+    result = run()
     profiler.disable()
     ray.kill(env)
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text).strip_dirs()
-    stats.sort_stats("tottime").print_stats(25)
-    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(50)
     return [
-        f"Async engine under cProfile ({args.samples} x {args.turns}; overhead "
-        f"{us['total overhead']:.1f} µs per sample-turn with the profiler on; load {load_avg()})",
+        f"{args.engine} under cProfile (the event loop's thread; "
+        + measured.format(**result)
+        + f" with the profiler on; load {load_avg()})",
         "```",
         text.getvalue().strip(),
         "```",
@@ -321,8 +438,9 @@ class SimulatedPolicy(GenerationInterface):
     Each prompt ends with the marker ``[s<sample> t<turn>]`` (the environment writes it in
     every observation), which picks the response length. ``generate`` submits every row and
     returns when the last one is done (c x the longest response, for <= ``cap`` rows);
-    ``generate_async`` yields each row the step it finishes, and rows of concurrent calls
-    share decode steps (continuous batching). ``waits`` maps each (sample, turn) to the
+    ``generate_async`` yields each row (a one-row slice of the call's output, built at once
+    as ``generate`` builds it) the step it finishes, and rows of concurrent calls share
+    decode steps (continuous batching). ``waits`` maps each (sample, turn) to the
     seconds from its call's start until its row was handed back.
     """
 
@@ -358,16 +476,15 @@ class SimulatedPolicy(GenerationInterface):
         loop, finished = asyncio.get_running_loop(), asyncio.Queue()
         for j, n in enumerate(lengths):
             self.decoder.submit(n, lambda j=j: loop.call_soon_threadsafe(finished.put_nowait, j))
+        # Every row's output at once (as generate builds it); each row is handed back as a
+        # one-row slice of it when the decoder finishes it.
+        output = self._output(data["input_ids"], data["input_lengths"], torch.tensor(lengths))
         for left in range(len(lengths), 0, -1):
             j = await finished.get()
             self.waits[keys[j]] = time.perf_counter() - start
             if left == 1:
                 self.call_s += self.waits[keys[j]]
-            row = data.select_indices([j])
-            yield (
-                j,
-                self._output(row["input_ids"], row["input_lengths"], torch.tensor([lengths[j]])),
-            )
+            yield j, output.slice(j, j + 1)
 
     def shutdown(self) -> bool:
         self.decoder.close()
@@ -376,9 +493,9 @@ class SimulatedPolicy(GenerationInterface):
     def _lengths(self, data) -> tuple[list[tuple[int, int]], list[int]]:
         """Each row's (sample, turn), read from the marker at the end of its prompt, and
         response length."""
-        ids, ends = data["input_ids"], data["input_lengths"].tolist()
-        tails = self.tokenizer.batch_decode(
-            [ids[j, max(0, e - 40) : e] for j, e in enumerate(ends)]
+        rows, ends = data["input_ids"].tolist(), data["input_lengths"].tolist()
+        tails = decode_texts(
+            self.tokenizer, [row[max(0, e - 40) : e] for row, e in zip(rows, ends)]
         )
         keys = [(int(s), int(t)) for s, t in (self.MARKER.findall(x)[-1] for x in tails)]
         budgets = data["max_new_tokens"].tolist()
@@ -500,13 +617,19 @@ def slowest_in_gen_calls(gen_waits: dict) -> float:
     return max(per_sample.values())
 
 
+def long_tail_env(workload: LongTailWorkload) -> Any:
+    """The workload's :class:`SandboxEnv` as a Ray actor serving every sample at once."""
+    samples = len(workload.turns)
+    return actor_class(SandboxEnv, num_cpus=0, max_concurrency=samples).remote(
+        workload.latencies, workload.turns
+    )
+
+
 def long_tail_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
     import ray
 
     workload = LongTailWorkload.draw(args.lt_samples, args.lt_turns, args.step_ms / 1e3, args.cap)
-    env = actor_class(SandboxEnv, num_cpus=0, max_concurrency=args.lt_samples).remote(
-        workload.latencies, workload.turns
-    )
+    env = long_tail_env(workload)
     ray.get(env.__ray_ready__.remote())
     runs: dict[str, list[dict]] = {e: [] for e in ENGINES}
     for _ in range(args.repeats):
@@ -555,14 +678,24 @@ def long_tail_table(args, workload: LongTailWorkload, runs: dict[str, list[dict]
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "section", nargs="?", default="all", choices=["all", "overhead", "long-tail", "profile"]
+        "section",
+        nargs="?",
+        default="all",
+        choices=["all", "overhead", "streaming", "long-tail", "profile"],
+    )
+    parser.add_argument(
+        "--engine",
+        default="RolloutStream",
+        choices=[*PROFILED, "long-tail"],
+        help="profile: the engine (on the overhead workload, with its policy), or the async "
+        "engine on the long tail",
     )
     parser.add_argument("--quick", action="store_true", help="a small sanity run (~20 s)")
     parser.add_argument(
         "--repeats",
         type=int,
         default=None,
-        help="default 5 (overhead), 3 (long tail); 1 with --quick",
+        help="default 3 (long tail), 1 (profile), 5 (the others); 1 with --quick",
     )
     parser.add_argument("--samples", type=int, default=1024, help="overhead: samples")
     parser.add_argument("--turns", type=int, default=4, help="overhead: turns per sample")
@@ -601,14 +734,15 @@ def main() -> None:
     sections = {
         "overhead": overhead_section,
         "long-tail": long_tail_section,
+        "streaming": streaming_section,
         "profile": profile_section,
     }
-    chosen = ["overhead", "long-tail"] if args.section == "all" else [args.section]
+    chosen = ["overhead", "streaming", "long-tail"] if args.section == "all" else [args.section]
     print(
         f"\n`.venv/bin/python {command.strip()}` ({envloop_version()}; load before: {load_avg()})\n"
     )
     for name in chosen:
-        default = 1 if args.quick else {"overhead": 5, "long-tail": 3, "profile": 1}[name]
+        default = 1 if args.quick else {"long-tail": 3, "profile": 1}.get(name, 5)
         section_args = argparse.Namespace(**{**vars(args), "repeats": args.repeats or default})
         print("\n".join(sections[name](section_args, tokenizer)) + "\n", flush=True)
 

@@ -9,10 +9,15 @@ task's environment stage wait ``coalesce_window_s`` when idle, then take up to
 state are those of :mod:`envloop.experience.rollout_state`, applied to the samples of each
 call, so a sample's turns are computed exactly as in ``run_multi_turn_rollout``.
 
-A backend that overrides ``generate_async`` (``HfGeneration`` batches continuously) gets a
-call for every coalesced batch as soon as it forms, while earlier calls still run, and hands
-each sample on as soon as it finishes. A backend with only ``generate`` gets one call at a
-time, in a worker thread (its sampling state need not be thread-safe). Environment calls run
+A backend that overrides ``generate_async`` (``HfGeneration`` batches continuously,
+``ServerGeneration`` answers per request) gets a call for every coalesced batch as soon as it
+forms, while earlier calls still run, and hands each sample back as soon as it finishes.
+Responses that come back within ``coalesce_window_s`` of each other, from any call, are
+appended in one step (:func:`~envloop.experience.rollout_state.append_response_rows`: one
+gather, one decode, one update of the state), and results that an environment streams back
+likewise, so the bookkeeping of a turn costs about what it costs in the batched loop
+however the samples arrive. A backend with only ``generate`` gets one call at a time, in a
+worker thread (its sampling state need not be thread-safe). Environment calls run
 concurrently, several per task when samples arrive while a call is under way, each on a
 thread of the rollout's own pool (the dispatcher's Ray waits and in-process steps never
 block the event loop, and a few slow steps do not hold up the others' threads), with the
@@ -37,12 +42,14 @@ from envloop.experience.rollout_options import AsyncRolloutOptions
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
+    append_response_rows,
     append_responses,
     build_generation_input,
     check_limits,
     observation_renderer,
     take_env_results,
 )
+from envloop.experience.turn_steps import Responses
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["FinishedGroup", "FinishedSample", "RolloutStream", "SampleEngine"]
@@ -114,7 +121,7 @@ class RolloutStream:
             self.options, self.timer,
         )  # fmt: skip
         self._started = False
-        self._finished = False
+        self._ran = False
 
     def __aiter__(self) -> AsyncIterator[FinishedSample]:
         return self._samples()
@@ -128,12 +135,13 @@ class RolloutStream:
                 f"samples (generations per prompt), got {group_size!r}"
             )
         left: dict[int, int] = {}
-        async for sample in self._samples():
-            group = sample.index // group_size
-            left[group] = left.get(group, group_size) - 1
-            if left[group] == 0:
-                indices = list(range(group * group_size, (group + 1) * group_size))
-                yield FinishedGroup.of(indices, self._rows(indices))
+        async for finished in self._finished():
+            for index in finished:
+                group = index // group_size
+                left[group] = left.get(group, group_size) - 1
+                if left[group] == 0:
+                    indices = list(range(group * group_size, (group + 1) * group_size))
+                    yield FinishedGroup.of(indices, self._rows(indices))
 
     def final_batch(self) -> BatchedDataDict[Any]:
         """Every sample's final row, in input order (once the stream has run)."""
@@ -146,6 +154,16 @@ class RolloutStream:
         return rollout_metrics(self.state, ~self.state.done, self.timer)
 
     async def _samples(self) -> AsyncIterator[FinishedSample]:
+        """Each finished sample with its row; the rows of samples that finished together
+        are built in one batch and sliced."""
+        async for finished in self._finished():
+            rows = self._rows(finished)
+            for k, index in enumerate(finished):
+                yield FinishedSample(index, rows.slice(k, k + 1))
+
+    async def _finished(self) -> AsyncIterator[list[int]]:
+        """The samples that ended, in completion order: all those that ended since the
+        last item, as each item."""
         if self._started:
             raise RuntimeError("a RolloutStream runs once; start a new one for another rollout")
         self._started = True
@@ -163,21 +181,30 @@ class RolloutStream:
 
         self._engine.start(on_finished, finished.put_nowait)
         admit()
+        left = self.state.size
         try:
-            for _ in range(self.state.size):
-                item = await finished.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield FinishedSample(item, self._rows([item]))
+            while left:
+                items = [await finished.get()]
+                while not finished.empty():
+                    items.append(finished.get_nowait())
+                indices: list[int] = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        if indices:
+                            yield indices  # those that ended before the error
+                        raise item
+                    indices.append(item)
+                left -= len(indices)
+                yield indices
         finally:
             await self._engine.close()
-        self._finished = True
+        self._ran = True
 
     def _rows(self, indices: list[int]) -> BatchedDataDict[Any]:
         return final_rows(self.input_batch, self.state, indices)
 
     def _require_finished(self) -> None:
-        if not self._finished:
+        if not self._ran:
             raise RuntimeError("the stream has not run to its end yet; iterate over it first")
 
 
@@ -209,20 +236,24 @@ class SampleEngine:
         self.closed = False
         self.tasks: set[asyncio.Future[None]] = set()
         self.env_stages: dict[str, _Stage] = {}
+        self.admitted: list[int] = []  # begun since the event loop's last turn
 
     def start(
         self, on_finished: Callable[[int], None], on_error: Callable[[BaseException], None]
     ) -> None:
         """Get ready to run samples (inside the running event loop)."""
         self.on_finished, self.on_error = on_finished, on_error
-        self.generation = _Stage(
-            self._generate, self.options, self._spawn, serial=not self.streams_outputs
-        )
+        self.loop = asyncio.get_running_loop()
+        self.generation = self._stage(self._generate, serial=not self.streams_outputs)
+        self.responses = self._stage(self._take_streamed_responses, serial=True)
+        self.results = self._stage(self._take_streamed_results, serial=True)
 
     def begin(self, i: int) -> None:
         """Start the sample in slot ``i`` (loaded into the state) on its first turn."""
         self.in_flight += 1
-        self._next_turn(i)
+        if not self.admitted:
+            self.loop.call_soon(self._admit)
+        self.admitted.append(i)
 
     async def close(self) -> None:
         """Cancel every stage's call still under way and wait until each has stopped: a
@@ -237,12 +268,35 @@ class SampleEngine:
         await asyncio.to_thread(self.env_threads.shutdown, wait=True, cancel_futures=True)
         self.dispatcher.shutdown()
 
-    def _next_turn(self, i: int) -> None:
-        if bool(self.state.done[i]) or int(self.state.turns[i]) >= self.max_turns:
-            self.in_flight -= 1
-            self.on_finished(i)
-        else:
-            self.generation.add(i)
+    def _stage(
+        self, work: Callable[..., Awaitable[None]], *, serial: bool, window: float | None = None
+    ) -> _Stage:
+        """A stage doing ``work``; ``window`` defaults to ``coalesce_window_s``."""
+        if window is None:
+            window = self.options.coalesce_window_s
+        return _Stage(work, window, self.options.max_coalesced_samples, self._spawn, serial)
+
+    def _admit(self) -> None:
+        """Send the samples begun since the last turn of the event loop on, together (an
+        event loop callback, whose exceptions would otherwise only be logged)."""
+        samples, self.admitted = self.admitted, []
+        if self.closed:
+            return
+        try:
+            self._next_turns(samples)
+        except BaseException as exc:
+            self.on_error(exc)
+
+    def _next_turns(self, samples: list[int]) -> None:
+        """Send each of ``samples`` on to its next generation, or out if its rollout ended."""
+        index = torch.tensor(samples, dtype=torch.long)
+        ended = (self.state.done[index] | (self.state.turns[index] >= self.max_turns)).tolist()
+        for i, end in zip(samples, ended):
+            if end:
+                self.in_flight -= 1
+                self.on_finished(i)
+            else:
+                self.generation.add(i)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -255,43 +309,58 @@ class SampleEngine:
             self.on_error(task.exception())  # type: ignore[arg-type]
 
     async def _generate(self, samples: list[int]) -> None:
-        """Generate for ``samples`` (SPEC §7 steps 1-2); each goes on to its environment as
-        soon as its response is appended."""
+        """Generate for ``samples`` (SPEC §7 steps 1-2). A backend that streams hands each
+        row on as it finishes, to be appended with the others that come back with it."""
         state, active = self.state, torch.tensor(samples, dtype=torch.long)
         with self.timer.phase("flatten"):
             gen_input = build_generation_input(state, active)
         with self.timer.phase("generation"):
             if not self.streams_outputs:
                 output = await asyncio.to_thread(self.policy.generate, gen_input, self.greedy)
-                self._take_responses(active, gen_input, output)
+                with self.timer.phase("gen_bookkeeping"):
+                    responses = append_responses(state, active, gen_input, output, self.tokenizer)
+                self._to_environments(samples, responses)
                 return
+            lengths = gen_input["input_lengths"].tolist()
+            budgets = gen_input["max_new_tokens"].tolist()
             async for j, output in self.policy.generate_async(gen_input, greedy=self.greedy):
-                rows = active[j : j + 1]
-                self._take_responses(rows, gen_input.select_indices([j]), output)
+                self.responses.add(samples[j], lengths[j], budgets[j], output)
 
-    def _take_responses(
-        self, active: torch.Tensor, gen_input: BatchedDataDict[Any], output: Any
+    async def _take_streamed_responses(
+        self, samples: list[int], lengths: list[int], budgets: list[int], outputs: list[Any]
     ) -> None:
+        """Append the responses that came back one at a time within the coalescing window
+        (each a one-row output) in one step, and send their samples on together."""
         with self.timer.phase("gen_bookkeeping"):
-            responses = append_responses(self.state, active, gen_input, output, self.tokenizer)
-        for i, eos in zip(active.tolist(), responses.ended_with_eos):
-            if self.state.generation_failed[i]:
-                self._next_turn(i)  # ends it
+            responses = append_response_rows(
+                self.state, samples, lengths, budgets, outputs, self.tokenizer
+            )
+        self._to_environments(samples, responses)
+
+    def _to_environments(self, samples: list[int], responses: Responses) -> None:
+        """Each of ``samples`` on to its task's environment, or out if it failed to generate."""
+        failed = []
+        for i, error, eos in zip(samples, responses.errors, responses.ended_with_eos):
+            if error is not None:
+                failed.append(i)
             else:
                 self._env_stage(self.state.task_names[i]).add(i, eos)
+        if failed:
+            self._next_turns(failed)  # ends them
 
     def _env_stage(self, task: str) -> _Stage:
         if task not in self.env_stages:
-            self.env_stages[task] = _Stage(self._step_env, self.options, self._spawn, serial=False)
+            self.env_stages[task] = self._stage(self._step_env, serial=False)
         return self.env_stages[task]
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each
-        on to its next turn or out: as soon as its own result comes when the environment
-        streams them (``step_stream``), else when the call returns."""
+        on to its next turn or out: when the environment streams results (``step_stream``),
+        with the other results that come back within the coalescing window; else when the
+        call returns."""
         state, task = self.state, self.state.task_names[samples[0]]
         eos = dict(zip(samples, ended_with_eos))
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         with self.timer.phase("env_step"):
             if self.dispatcher.streams(task):
 
@@ -311,39 +380,47 @@ class SampleEngine:
         self._take_env_results(results, eos)
 
     def _take_streamed(self, result: GroupResult, eos: dict[int, bool]) -> None:
-        """:meth:`_take_env_results` as an event loop callback, whose exceptions would
-        otherwise only be logged: the rollout raises them. Dropped once the engine closed."""
-        if self.closed:
-            return
-        try:
-            self._take_env_results([result], eos)
-        except BaseException as exc:
-            self.on_error(exc)
+        """Queue one streamed result (an event loop callback); dropped once the engine
+        closed."""
+        if not self.closed:
+            self.results.add(result, [eos[i] for i in result.indices])
+
+    async def _take_streamed_results(
+        self, results: list[GroupResult], ended_with_eos: list[list[bool]]
+    ) -> None:
+        """Take the environment results that came back within the coalescing window in
+        one step."""
+        eos = {
+            i: e
+            for result, flags in zip(results, ended_with_eos)
+            for i, e in zip(result.indices, flags)
+        }
+        self._take_env_results(results, eos)
 
     def _take_env_results(self, results: list[GroupResult], eos: dict[int, bool]) -> None:
         take_env_results(self.state, results, eos, self.tokenizer, self.renderer, self.timer)
         if self.options.on_turn is not None:
             self.options.on_turn(rollout_progress(self.state, self.timer))
-        for result in results:
-            for i in result.indices:
-                self._next_turn(i)
+        self._next_turns([i for result in results for i in result.indices])
 
 
 class _Stage:
-    """Samples waiting for one kind of call. When idle, a stage waits ``coalesce_window_s``
-    for more, then calls ``work`` on up to ``max_coalesced_samples`` of them (with the
-    values they were added with). A ``serial`` stage runs one call at a time, and samples
-    that arrive during a call go into the next; other stages start a call per batch."""
+    """Items waiting for one kind of work. When idle, a stage waits ``window`` seconds for
+    more (0: until the event loop's next turn), then calls ``work`` on up to ``limit`` of
+    them (with the values they were added with, a list per value). A ``serial`` stage runs
+    one call at a time, and items that arrive during a call go into the next; other stages
+    start a call per batch."""
 
     def __init__(
         self,
         work: Callable[..., Awaitable[None]],
-        options: AsyncRolloutOptions,
+        window: float,
+        limit: int,
         spawn: Callable[[Awaitable[None]], None],
-        *,
         serial: bool,
     ) -> None:
-        self.work, self.options, self.spawn, self.serial = work, options, spawn, serial
+        self.work, self.window, self.limit, self.spawn = work, window, limit, spawn
+        self.serial = serial
         self.waiting: list[tuple[Any, ...]] = []
         self.scheduled = False
 
@@ -354,10 +431,10 @@ class _Stage:
             self.spawn(self._drain())
 
     async def _drain(self) -> None:
-        await asyncio.sleep(self.options.coalesce_window_s)
+        await asyncio.sleep(self.window)
         try:
             while self.waiting:
-                batch = self.waiting[: self.options.max_coalesced_samples]
+                batch = self.waiting[: self.limit]
                 del self.waiting[: len(batch)]
                 call = self.work(*[list(column) for column in zip(*batch)])
                 if self.serial:

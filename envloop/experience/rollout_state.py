@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from envloop.data.chat_templates import ObservationRenderer
@@ -26,6 +27,7 @@ from envloop.experience.turn_steps import (
     fit_observation,
     observation_text,
     split_owned,
+    split_response_rows,
     split_responses,
 )
 
@@ -200,11 +202,37 @@ def append_responses(
     responses = split_responses(
         output, gen_input["input_lengths"], gen_input["max_new_tokens"], tokenizer
     )
-    errors = output.get("generation_error") or [None] * len(active)
-    for j, i in enumerate(active.tolist()):
-        if errors[j] is not None:
+    record_responses(state, active, responses)
+    return responses
+
+
+def append_response_rows(
+    state: RolloutState,
+    active: list[int],
+    input_lengths: list[int],
+    budgets: list[int],
+    outputs: list[BatchedDataDict[Any]],
+    tokenizer: Any,
+) -> Responses:
+    """:func:`append_responses` for samples whose responses came back one at a time: the
+    one-row output of each of ``active`` (b >= 1 samples), with the prompt length and token
+    budget its generation input had. One step for them all, as if they had come in one
+    batch."""
+    for output in outputs:
+        check_generation_output(output, 1)
+    responses = split_response_rows(outputs, input_lengths, budgets, tokenizer)
+    record_responses(state, torch.tensor(active, dtype=torch.long), responses)
+    return responses
+
+
+def record_responses(state: RolloutState, active: torch.Tensor, responses: Responses) -> None:
+    """Append ``responses`` (one per sample of ``active``) to the samples' logs, token rows,
+    counters and policy version spans; a response with an error fails its sample."""
+    samples = active.tolist()
+    for j, i in enumerate(samples):
+        if responses.errors[j] is not None:
             state.generation_failed[i] = True
-            state.generation_errors[i] = f"generation failed: {errors[j]}"
+            state.generation_errors[i] = f"generation failed: {responses.errors[j]}"
             continue
         text = responses.texts[j]
         message = assistant_message(
@@ -213,23 +241,24 @@ def append_responses(
         state.message_logs[i].append(message)
         state.env_views[i].append({"role": "assistant", "content": text})
     state.tokens.append_ragged(active, responses.flat_ids, responses.counts)
-    generated = (~state.generation_failed[active]).long()
-    state.turns.index_add_(0, active, generated)
-    state.gen_tokens.index_add_(0, active, responses.counts)
-    _record_versions(state, active, responses)
-    return responses
+    rows = active.numpy()  # counters updated in place through numpy: far fewer torch calls
+    np.add.at(state.turns.numpy(), rows, [e is None for e in responses.errors])
+    np.add.at(state.gen_tokens.numpy(), rows, responses.counts.numpy())
+    _record_versions(state, rows, responses)
 
 
-def _record_versions(state: RolloutState, active: torch.Tensor, responses: Responses) -> None:
-    """Widen each active sample's policy version span by its response's."""
-    low, high = responses.min_versions, responses.max_versions
+def _record_versions(state: RolloutState, rows: np.ndarray, responses: Responses) -> None:
+    """Widen the policy version span of each sample of ``rows`` (distinct slots) by its
+    response's."""
+    low, high = responses.min_versions.numpy(), responses.max_versions.numpy()
     generated = low >= 0
-    if not bool(generated.any()):
+    if not generated.any():
         return
-    rows, low, high = active[generated], low[generated], high[generated]
-    old_low = state.min_version[rows]
-    state.min_version[rows] = torch.where(old_low < 0, low, torch.minimum(old_low, low))
-    state.max_version[rows] = torch.maximum(state.max_version[rows], high)
+    rows, low, high = rows[generated], low[generated], high[generated]
+    min_version, max_version = state.min_version.numpy(), state.max_version.numpy()
+    old_low = min_version[rows]
+    min_version[rows] = np.where(old_low < 0, low, np.minimum(old_low, low))
+    max_version[rows] = np.maximum(max_version[rows], high)
 
 
 def record_rewards(state: RolloutState, results: Sequence[GroupResult]) -> None:

@@ -6,10 +6,11 @@ responses split into per-sample pieces), so that any engine can compose them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from envloop.data.chat_templates import ObservationRenderer
@@ -34,6 +35,7 @@ class Responses:
         min_versions: [b] int64, each response's oldest token version (-1 for an empty
             response).
         max_versions: [b] int64, each response's newest token version (-1 if empty).
+        errors: b entries, the ``generation_error`` of each row (None: it generated).
     """
 
     token_ids: list[torch.Tensor]
@@ -45,6 +47,7 @@ class Responses:
     versions: list[torch.Tensor]
     min_versions: torch.Tensor
     max_versions: torch.Tensor
+    errors: list[Any]
 
 
 def split_responses(
@@ -59,48 +62,140 @@ def split_responses(
     the budget, so no sample ever grows past ``max_seq_len``. A row with a
     ``generation_error`` has no response (whatever tokens it holds are dropped).
     """
-    out_ids, logprobs = output["output_ids"], output["logprobs"]
-    counts = output["generation_lengths"].long()
-    if budgets is not None:
-        counts = torch.minimum(counts, budgets)
-    errors = output.get("generation_error")
-    if errors is not None:
-        counts = counts.masked_fill(torch.tensor([e is not None for e in errors]), 0)
+    out_ids = output["output_ids"]
+    errors = output.get("generation_error") or [None] * out_ids.shape[0]
+    counts = _response_counts(
+        output["generation_lengths"].long().numpy(),
+        None if budgets is None else budgets.long().numpy(),
+        errors,
+    )
     positions = torch.arange(out_ids.shape[1])
     start = input_lengths.long()[:, None]
     mask = (positions >= start) & (positions < start + counts[:, None])
-    flat_ids, flat_lp = out_ids[mask].long(), logprobs[mask].float()
     versions = output.get("policy_versions")
-    if versions is None:
-        versions = torch.zeros(out_ids.shape, dtype=torch.int32)
-    versions = versions.to(torch.int32)
+    flat_versions = None if versions is None else versions[mask]
+    generated = _Generated(
+        out_ids[mask].long(), output["logprobs"][mask].float(), flat_versions, counts
+    )
+    return _split_generated(generated, errors, tokenizer)
+
+
+def split_response_rows(
+    outputs: Sequence[BatchedDataDict[Any]],
+    input_lengths: Sequence[int],
+    budgets: Sequence[int],
+    tokenizer: Any,
+) -> Responses:
+    """:func:`split_responses` of the batch that ``outputs`` (b one-row
+    ``GenerationOutputSpec`` batches, each [1, L_k] wide, as ``generate_async`` hands them
+    back) would make, without building it: each output's row is laid end to end with the
+    others' ([1, sum L_k]) and the responses are read out of that in one gather.
+    ``input_lengths`` and ``budgets`` give each row's prompt length and token budget."""
+    errors = [_row_error(output) for output in outputs]
+    lengths = torch.cat([output["generation_lengths"] for output in outputs]).long().numpy()
+    counts = _response_counts(lengths, np.asarray(budgets, dtype=np.int64), errors)
+    widths = np.array([output["output_ids"].shape[1] for output in outputs], dtype=np.int64)
+    prompts, n = np.asarray(input_lengths, dtype=np.int64), counts.numpy()
+    if (prompts + n > widths).any():
+        raise ValueError(
+            "The policy's generate_async() handed back a row whose generation_lengths "
+            "counts more tokens than its output_ids hold after the prompt."
+        )
+    row_starts = np.cumsum(widths) - widths + prompts
+    gather = torch.from_numpy(np.repeat(row_starts - (np.cumsum(n) - n), n) + np.arange(n.sum()))
+
+    def laid_out(key: str) -> torch.Tensor:
+        return torch.cat([output[key] for output in outputs], dim=1)[0, gather]
+
+    has_versions = [output.get("policy_versions") is not None for output in outputs]
+    flat_versions = None
+    if any(has_versions):  # rows without the column hold version 0, as build_output writes
+        flat_versions = torch.cat(
+            [
+                output["policy_versions"]
+                if present
+                else torch.zeros(output["output_ids"].shape, dtype=torch.int32)
+                for output, present in zip(outputs, has_versions)
+            ],
+            dim=1,
+        )[0, gather]
+    generated = _Generated(
+        laid_out("output_ids").long(), laid_out("logprobs").float(), flat_versions, counts
+    )
+    return _split_generated(generated, errors, tokenizer)
+
+
+@dataclass
+class _Generated:
+    """b responses' tokens laid end to end: ids [N] int64, logprobs [N] float32, versions
+    [N] (None: the policy reports none) and counts [b] int64 (N = their sum)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    versions: torch.Tensor | None
+    counts: torch.Tensor
+
+
+def _response_counts(
+    lengths: np.ndarray, budgets: np.ndarray | None, errors: list[Any]
+) -> torch.Tensor:
+    """[b] int64: each row's generated tokens (``lengths``), cut to its budget; 0 for a
+    failed row."""
+    counts = lengths.copy() if budgets is None else np.minimum(lengths, budgets)
+    counts[np.array([e is not None for e in errors], dtype=bool)] = 0
+    return torch.from_numpy(counts)
+
+
+def _split_generated(generated: _Generated, errors: list[Any], tokenizer: Any) -> Responses:
+    flat_ids, counts = generated.ids, generated.counts
+    versions = generated.versions
+    versions = (
+        torch.zeros(len(flat_ids), dtype=torch.int32)
+        if versions is None
+        else versions.to(torch.int32)
+    )
     count_list = counts.tolist()
     token_lists = _split_list(flat_ids.tolist(), count_list)
     tokenizer = text_tokenizer(tokenizer)
     eos_id = tokenizer.eos_token_id
     ended = [bool(ids) and ids[-1] == eos_id for ids in token_lists]
     to_decode = [ids[:-1] if e else ids for ids, e in zip(token_lists, ended)]
+    low, high = _version_spans(versions, counts)
     return Responses(
         token_ids=split_owned(flat_ids, count_list),
-        logprobs=split_owned(flat_lp, count_list),
+        logprobs=split_owned(generated.logprobs, count_list),
         texts=decode_texts(tokenizer, to_decode),
         counts=counts,
         flat_ids=flat_ids,
         ended_with_eos=ended,
-        versions=split_owned(versions[mask], count_list),
-        min_versions=_masked_extreme(versions, mask, torch.amin),
-        max_versions=_masked_extreme(versions, mask, torch.amax),
+        versions=split_owned(versions, count_list),
+        min_versions=low,
+        max_versions=high,
+        errors=errors,
     )
 
 
-def _masked_extreme(values: torch.Tensor, mask: torch.Tensor, reduce: Any) -> torch.Tensor:
-    """Per row of ``values`` [b, L], ``reduce`` (``torch.amin`` or ``torch.amax``) over the
-    positions where ``mask`` holds, as int64; -1 for a row with none."""
-    if values.numel() == 0:
-        return torch.full((values.shape[0],), -1, dtype=torch.long)
-    fill = torch.iinfo(torch.int32).max if reduce is torch.amin else -1
-    extreme = reduce(values.masked_fill(~mask, fill), dim=1).long()
-    return extreme.masked_fill(~mask.any(dim=1), -1)
+def _version_spans(
+    versions: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each response's oldest and newest token version ([b] int64 each, -1 for an empty
+    response), from every response's token versions laid end to end ([N] int32)."""
+    n = counts.numpy()
+    low = np.full(len(n), -1, dtype=np.int64)
+    high = np.full(len(n), -1, dtype=np.int64)
+    nonempty = n > 0
+    if nonempty.any():
+        starts = (np.cumsum(n) - n)[nonempty]
+        values = versions.numpy()
+        low[nonempty] = np.minimum.reduceat(values, starts)
+        high[nonempty] = np.maximum.reduceat(values, starts)
+    return torch.from_numpy(low), torch.from_numpy(high)
+
+
+def _row_error(output: BatchedDataDict[Any]) -> Any:
+    """The ``generation_error`` of a one-row output (None when it has none)."""
+    errors = output.get("generation_error")
+    return errors[0] if errors else None
 
 
 def check_generation_output(output: Any, num_prompts: int) -> None:

@@ -17,6 +17,7 @@ from envloop.environments.games.sliding_puzzle import (
     new_episode_metadata,
 )
 from envloop.environments.math_environment import MathEnvironment
+from envloop.experience import async_rollouts
 from envloop.experience.rollouts import (
     EnvironmentStepError,
     RolloutStream,
@@ -135,6 +136,49 @@ def test_async_equals_sync_with_a_real_tiny_transformer(tiny_policy_dir):
     final = async_[0]
     assert final["truncated"][4] and final["env_error"][5] is not None
     assert final["num_turns"].max() == 3
+
+
+class StreamingScripted(ScriptedGeneration):
+    """``ScriptedGeneration`` handing rows back one at a time, last row first, as
+    continuous batching does: each after a turn of the event loop, or (``burst``) all in
+    one turn."""
+
+    def __init__(self, *args, burst=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.burst = burst
+
+    async def generate_async(self, data, greedy=False):
+        output = self.generate(data, greedy)
+        for j in reversed(range(output.size)):
+            if not self.burst:
+                await asyncio.sleep(0)
+            yield j, output.slice(j, j + 1)
+
+
+def test_async_equals_sync_with_a_policy_handing_rows_back_one_at_a_time(tiny_tokenizer):
+    batch = make_batch(tiny_tokenizer, SCRIPTED_MIX)
+    policy = StreamingScripted(tiny_tokenizer, scripted_respond)
+    assert_same_rollouts(*run_both(policy, batch, tiny_tokenizer, scripted_envs(), 160))
+
+
+def test_rows_handed_back_together_are_appended_in_one_step(tiny_tokenizer, monkeypatch):
+    appended = []
+    append = async_rollouts.append_response_rows
+
+    def recording(state, samples, *args):
+        appended.append(list(samples))
+        return append(state, samples, *args)
+
+    monkeypatch.setattr(async_rollouts, "append_response_rows", recording)
+    batch = make_batch(tiny_tokenizer, [guess_sample(25)] * 4)  # two guesses each: 50, 25
+    policy = StreamingScripted(tiny_tokenizer, scripted_respond, burst=True)
+    final, _ = asyncio.run(
+        run_async_multi_turn_rollout(
+            policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512
+        )
+    )
+    assert final["num_turns"].tolist() == [2, 2, 2, 2]
+    assert [sorted(samples) for samples in appended] == [[0, 1, 2, 3], [0, 1, 2, 3]]
 
 
 class WaitForOther(EchoEnv):

@@ -14,6 +14,7 @@ from envloop.experience.env_dispatch import GroupResult
 from envloop.experience.rollout_state import (
     RolloutState,
     append_observations,
+    append_response_rows,
     append_responses,
     build_generation_input,
     record_rewards,
@@ -257,6 +258,41 @@ def test_append_responses_rejects_an_output_with_too_few_rows(tiny_tokenizer):
     output = ScriptedGeneration(tiny_tokenizer, lambda p: "ok").generate(gen_input.slice(0, 1))
     with pytest.raises(ValueError, match=r"returned 1 rows of 'output_ids' for 2 prompts"):
         append_responses(state, active, gen_input, output, tiny_tokenizer)
+
+
+def test_responses_that_came_back_one_at_a_time_are_appended_as_their_batch_would_be(
+    tiny_tokenizer,
+):
+    batch = echo_batch(tiny_tokenizer, "a", "b", "c", stop_strings=[None, ["!"], None])
+    batched, one_by_one = (RolloutState.start(batch, tiny_tokenizer, 64) for _ in range(2))
+    active = torch.tensor([2, 0, 1])
+    gen_input = build_generation_input(batched, active)
+    policy = ScriptedGeneration(tiny_tokenizer, lambda prompt: "ok! more")
+    policy.update_weights(policy.respond, version=4)
+    output = policy.generate(gen_input)
+    output["generation_error"] = [None, "out of memory", None]
+    expected = append_responses(batched, active, gen_input, output, tiny_tokenizer)
+    got = append_response_rows(
+        one_by_one, active.tolist(), gen_input["input_lengths"].tolist(),
+        gen_input["max_new_tokens"].tolist(), [output.slice(j, j + 1) for j in range(3)],
+        tiny_tokenizer,
+    )  # fmt: skip
+    assert got.texts == expected.texts and got.errors == expected.errors
+    for a, b in zip(one_by_one.message_logs, batched.message_logs, strict=True):
+        assert [m.keys() for m in a] == [m.keys() for m in b]
+        for got_message, message in zip(a, b):
+            for key, value in message.items():
+                same = torch.equal if isinstance(value, torch.Tensor) else (lambda x, y: x == y)
+                assert same(got_message[key], value), key
+    assert one_by_one.env_views == batched.env_views
+    assert one_by_one.generation_errors == batched.generation_errors == [
+        "generation failed: out of memory", None, None,
+    ]  # fmt: skip
+    for name in ("generation_failed", "turns", "gen_tokens", "min_version", "max_version"):
+        assert torch.equal(getattr(one_by_one, name), getattr(batched, name)), name
+    assert one_by_one.min_version.tolist() == [-1, 4, 4]
+    assert torch.equal(one_by_one.tokens.ids, batched.tokens.ids)
+    assert torch.equal(one_by_one.tokens.lengths, batched.tokens.lengths)
 
 
 # Step 4: record_rewards

@@ -14,6 +14,7 @@ from envloop.experience.turn_steps import (
     fit_observation,
     observation_text,
     split_owned,
+    split_response_rows,
     split_responses,
 )
 
@@ -93,6 +94,75 @@ def test_an_empty_response_has_no_tokens_and_no_eos(tiny_tokenizer):
     responses = split_responses(output, torch.tensor([2]), None, tiny_tokenizer)
     assert [t.tolist() for t in responses.token_ids] == [[]]
     assert responses.texts == [""] and responses.ended_with_eos == [False]
+
+
+def one_row_outputs(output, widths):
+    """``output``'s rows as one-row outputs, as ``generate_async`` hands them back: each
+    only as wide as ``widths`` says (its own prompt and response)."""
+    return [
+        BatchedDataDict(
+            {
+                key: value[j : j + 1, :width] if value.dim() == 2 else value[j : j + 1]
+                for key, value in output.items()
+                if isinstance(value, torch.Tensor)
+            },
+            **(
+                {"generation_error": [output["generation_error"][j]]}
+                if "generation_error" in output
+                else {}
+            ),
+        )
+        for j, width in enumerate(widths)
+    ]
+
+
+def assert_same_responses(got, expected):
+    for key in ("token_ids", "logprobs", "versions"):
+        got_pieces, expected_pieces = getattr(got, key), getattr(expected, key)
+        assert [p.tolist() for p in got_pieces] == [p.tolist() for p in expected_pieces], key
+        assert [p.dtype for p in got_pieces] == [p.dtype for p in expected_pieces], key
+    for key in ("counts", "flat_ids", "min_versions", "max_versions"):
+        assert torch.equal(getattr(got, key), getattr(expected, key)), key
+    assert got.texts == expected.texts and got.ended_with_eos == expected.ended_with_eos
+    assert got.errors == expected.errors
+
+
+def test_split_response_rows_equals_split_responses_of_their_batch(tiny_tokenizer, two_responses):
+    output, input_lengths, hello, ok = two_responses
+    third = generation_output([[1, 5, 6]], [ok], [-0.75], tiny_tokenizer.pad_token_id)
+    output = BatchedDataDict.from_batches([output, third], {"output_ids": 0})
+    output["policy_versions"] = torch.arange(output["output_ids"].numel(), dtype=torch.int32).view(
+        output["output_ids"].shape
+    )
+    output["generation_error"] = [None, "server said no", None]
+    input_lengths = torch.tensor([2, 1, 3])
+    budgets = torch.tensor([4, 9, 2])  # row 0 cut before its EOS, row 2 after 2 tokens
+    rows = one_row_outputs(output, [2 + len(hello) + 1, 1 + len(ok), 3 + len(ok)])
+    got = split_response_rows(rows, input_lengths.tolist(), budgets.tolist(), tiny_tokenizer)
+    expected = split_responses(output, input_lengths, budgets, tiny_tokenizer)
+    assert_same_responses(got, expected)
+    assert got.counts.tolist() == [4, 0, 2] and got.errors == [None, "server said no", None]
+    assert got.min_versions.tolist()[1] == -1 and got.min_versions.tolist()[0] > 0
+
+
+def test_split_response_rows_reads_version_zero_for_rows_without_versions(
+    tiny_tokenizer, two_responses
+):
+    output = two_responses[0]
+    rows = one_row_outputs(output, [output["output_ids"].shape[1]] * 2)
+    rows[0]["policy_versions"] = torch.full(rows[0]["output_ids"].shape, 3, dtype=torch.int32)
+    got = split_response_rows(rows, [2, 1], [99, 99], tiny_tokenizer)
+    assert [v.tolist() for v in got.versions] == [[3] * 5, [0] * 3]
+    assert got.min_versions.tolist() == [3, 0] and got.max_versions.tolist() == [3, 0]
+    without = split_response_rows(rows[1:], [1], [99], tiny_tokenizer)
+    assert without.versions[0].dtype == torch.int32 and without.max_versions.tolist() == [0]
+
+
+def test_split_response_rows_rejects_a_row_claiming_tokens_it_lacks(tiny_tokenizer, two_responses):
+    output, _, _, _ = two_responses
+    rows = one_row_outputs(output, [7, 3])  # row 1: a prompt of 1 token and only 2 generated
+    with pytest.raises(ValueError, match="generation_lengths counts more tokens than"):
+        split_response_rows(rows, [2, 1], [99, 99], tiny_tokenizer)
 
 
 def test_check_generation_output_names_the_missing_keys(two_responses):
