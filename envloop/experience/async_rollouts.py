@@ -12,16 +12,18 @@ call, so a sample's turns are computed exactly as in ``run_multi_turn_rollout``.
 A backend that overrides ``generate_async`` (``HfGeneration`` batches continuously,
 ``ServerGeneration`` answers per request) gets a call for every coalesced batch as soon as it
 forms, while earlier calls still run, and hands each sample back as soon as it finishes.
-Responses that come back within ``coalesce_window_s`` of each other, from any call, are
-appended in one step (:func:`~envloop.experience.rollout_state.append_response_rows`: one
-gather, one decode, one update of the state), and results that an environment streams back
-likewise, so the bookkeeping of a turn costs about what it costs in the batched loop
-however the samples arrive. A backend with only ``generate`` gets one call at a time, in a
-worker thread (its sampling state need not be thread-safe). Environment calls run
-concurrently, several per task when samples arrive while a call is under way, each on a
-thread of the rollout's own pool (the dispatcher's Ray waits and in-process steps never
-block the event loop, and a few slow steps do not hold up the others' threads), with the
-sync engine's timeouts, retries, contract checks and ``on_env_error``.
+Responses that come back one after another, from any call, are appended together once a
+turn of the event loop brings no new one (or ``max_coalesced_samples`` wait), in one step
+(:func:`~envloop.experience.rollout_state.append_response_rows`: one gather, one decode, one
+update of the state); results that an environment streams back are taken likewise. An idle
+loop so appends a response at its next turn, and a busy one appends many at once: the
+bookkeeping of a turn costs about what it costs in the batched loop however the samples
+arrive. A backend with only ``generate`` gets one call at a time, in a worker thread (its
+sampling state need not be thread-safe). Environment calls run concurrently, several per
+task when samples arrive while a call is under way, each on a thread of the rollout's own
+pool (the dispatcher's Ray waits and in-process steps never block the event loop, and a
+few slow steps do not hold up the others' threads), with the sync engine's timeouts,
+retries, contract checks and ``on_env_error``.
 """
 
 from __future__ import annotations
@@ -244,9 +246,10 @@ class SampleEngine:
         """Get ready to run samples (inside the running event loop)."""
         self.on_finished, self.on_error = on_finished, on_error
         self.loop = asyncio.get_running_loop()
-        self.generation = self._stage(self._generate, serial=not self.streams_outputs)
-        self.responses = self._stage(self._take_streamed_responses, serial=True)
-        self.results = self._stage(self._take_streamed_results, serial=True)
+        window = self.options.coalesce_window_s
+        self.generation = self._stage(self._generate, window, serial=not self.streams_outputs)
+        self.responses = self._stage(self._take_streamed_responses, None, serial=True)
+        self.results = self._stage(self._take_streamed_results, None, serial=True)
 
     def begin(self, i: int) -> None:
         """Start the sample in slot ``i`` (loaded into the state) on its first turn."""
@@ -269,11 +272,8 @@ class SampleEngine:
         self.dispatcher.shutdown()
 
     def _stage(
-        self, work: Callable[..., Awaitable[None]], *, serial: bool, window: float | None = None
+        self, work: Callable[..., Awaitable[None]], window: float | None, *, serial: bool
     ) -> _Stage:
-        """A stage doing ``work``; ``window`` defaults to ``coalesce_window_s``."""
-        if window is None:
-            window = self.options.coalesce_window_s
         return _Stage(work, window, self.options.max_coalesced_samples, self._spawn, serial)
 
     def _admit(self) -> None:
@@ -329,8 +329,8 @@ class SampleEngine:
     async def _take_streamed_responses(
         self, samples: list[int], lengths: list[int], budgets: list[int], outputs: list[Any]
     ) -> None:
-        """Append the responses that came back one at a time within the coalescing window
-        (each a one-row output) in one step, and send their samples on together."""
+        """Append the responses that came back one after another (each a one-row output)
+        in one step, and send their samples on together."""
         with self.timer.phase("gen_bookkeeping"):
             responses = append_response_rows(
                 self.state, samples, lengths, budgets, outputs, self.tokenizer
@@ -350,14 +350,15 @@ class SampleEngine:
 
     def _env_stage(self, task: str) -> _Stage:
         if task not in self.env_stages:
-            self.env_stages[task] = self._stage(self._step_env, serial=False)
+            window = self.options.coalesce_window_s
+            self.env_stages[task] = self._stage(self._step_env, window, serial=False)
         return self.env_stages[task]
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (SPEC §7 steps 3-6), then send each
         on to its next turn or out: when the environment streams results (``step_stream``),
-        with the other results that come back within the coalescing window; else when the
-        call returns."""
+        with the other results that come back one after another; else when the call
+        returns."""
         state, task = self.state, self.state.task_names[samples[0]]
         eos = dict(zip(samples, ended_with_eos))
         loop = self.loop
@@ -388,8 +389,7 @@ class SampleEngine:
     async def _take_streamed_results(
         self, results: list[GroupResult], ended_with_eos: list[list[bool]]
     ) -> None:
-        """Take the environment results that came back within the coalescing window in
-        one step."""
+        """Take the environment results that came back one after another in one step."""
         eos = {
             i: e
             for result, flags in zip(results, ended_with_eos)
@@ -405,16 +405,17 @@ class SampleEngine:
 
 
 class _Stage:
-    """Items waiting for one kind of work. When idle, a stage waits ``window`` seconds for
-    more (0: until the event loop's next turn), then calls ``work`` on up to ``limit`` of
-    them (with the values they were added with, a list per value). A ``serial`` stage runs
-    one call at a time, and items that arrive during a call go into the next; other stages
-    start a call per batch."""
+    """Items waiting for one kind of work. When idle, a stage waits for more, ``window``
+    seconds, or (``window`` None) until a turn of the event loop brings no new item or
+    ``limit`` items wait; then it calls ``work`` on up to ``limit`` of them (with the values
+    they were added with, a list per value). A ``serial`` stage runs one call at a time,
+    and items that arrive during a call go into the next; other stages start a call per
+    batch."""
 
     def __init__(
         self,
         work: Callable[..., Awaitable[None]],
-        window: float,
+        window: float | None,
         limit: int,
         spawn: Callable[[Awaitable[None]], None],
         serial: bool,
@@ -431,7 +432,7 @@ class _Stage:
             self.spawn(self._drain())
 
     async def _drain(self) -> None:
-        await asyncio.sleep(self.window)
+        await self._gather()
         try:
             while self.waiting:
                 batch = self.waiting[: self.limit]
@@ -443,3 +444,12 @@ class _Stage:
                     self.spawn(call)
         finally:
             self.scheduled = False
+
+    async def _gather(self) -> None:
+        if self.window is not None:
+            await asyncio.sleep(self.window)
+            return
+        seen = 0
+        while seen < len(self.waiting) < self.limit:
+            seen = len(self.waiting)
+            await asyncio.sleep(0)

@@ -134,17 +134,18 @@ class RolloutState:
                 f"'extra_env_info' has {len(metadata)} entries for {n} samples; give one per "
                 "sample (None where a sample has no metadata)."
             )
-        index = torch.tensor(slots, dtype=torch.long)
-        for tensor in (self.total_reward, *self.components.values()):
-            tensor[index] = 0
-        for tensor in (self.turns, self.gen_tokens, self.env_tokens):
-            tensor[index] = 0
-        for flags in (self.terminated, self.failed, self.generation_failed):
-            flags[index] = False
-        self.min_version[index] = -1
-        self.max_version[index] = -1
-        self.tokens.reset(index, prompts)
-        self.truncated[index] = self.tokens.lengths[index] >= self.tokens.max_seq_len
+        rows = np.asarray(
+            slots, dtype=np.int64
+        )  # written through numpy: a few µs, not 20 torch calls
+        zeroed = (self.total_reward, *self.components.values(), self.turns, self.gen_tokens)
+        for tensor in (*zeroed, self.env_tokens, self.terminated, self.failed):
+            tensor.numpy()[rows] = 0
+        self.generation_failed.numpy()[rows] = False
+        self.min_version.numpy()[rows] = -1
+        self.max_version.numpy()[rows] = -1
+        self.tokens.reset(torch.from_numpy(rows), prompts)
+        lengths = self.tokens.lengths.numpy()[rows]
+        self.truncated.numpy()[rows] = lengths >= self.tokens.max_seq_len
         ids = _sample_ids(n)
         for k, (i, log) in enumerate(zip(slots, logs)):
             self.message_logs[i] = list(log)

@@ -31,8 +31,9 @@ class TokenBuffer:
 
     def reset(self, indices: torch.Tensor, sequences: list[torch.Tensor]) -> None:
         """Rows ``indices`` hold ``sequences`` (one each) and nothing else."""
-        self.ids[indices] = self.pad_id
-        self.lengths[indices] = 0
+        rows = indices.numpy()
+        self.ids.numpy()[rows] = self.pad_id
+        self.lengths.numpy()[rows] = 0
         if sequences:
             counts = torch.tensor([len(s) for s in sequences], dtype=torch.long)
             self.append_ragged(indices, torch.cat(sequences), counts)
@@ -53,9 +54,9 @@ class TokenBuffer:
         """
         if len(flat_tokens) == 0:
             return
-        rows, n = indices.numpy(), counts.numpy()
-        starts = self.lengths.numpy()[rows]
+        rows, n, lengths = indices.numpy(), counts.numpy(), self.lengths.numpy()
+        starts = lengths[rows]
         offsets = np.cumsum(n) - n
         cols = np.repeat(starts - offsets, n) + np.arange(len(flat_tokens))
         self.ids.numpy()[np.repeat(rows, n), cols] = flat_tokens.numpy()
-        self.lengths.index_add_(0, indices, counts)
+        np.add.at(lengths, rows, n)

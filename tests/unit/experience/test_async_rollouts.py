@@ -161,7 +161,12 @@ def test_async_equals_sync_with_a_policy_handing_rows_back_one_at_a_time(tiny_to
     assert_same_rollouts(*run_both(policy, batch, tiny_tokenizer, scripted_envs(), 160))
 
 
-def test_rows_handed_back_together_are_appended_in_one_step(tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("burst", [True, False])
+def test_rows_handed_back_one_after_another_are_appended_in_one_step(
+    tiny_tokenizer, monkeypatch, burst
+):
+    """All in one turn of the event loop, or one per turn: the rows are appended once no
+    turn brings another."""
     appended = []
     append = async_rollouts.append_response_rows
 
@@ -171,7 +176,7 @@ def test_rows_handed_back_together_are_appended_in_one_step(tiny_tokenizer, monk
 
     monkeypatch.setattr(async_rollouts, "append_response_rows", recording)
     batch = make_batch(tiny_tokenizer, [guess_sample(25)] * 4)  # two guesses each: 50, 25
-    policy = StreamingScripted(tiny_tokenizer, scripted_respond, burst=True)
+    policy = StreamingScripted(tiny_tokenizer, scripted_respond, burst=burst)
     final, _ = asyncio.run(
         run_async_multi_turn_rollout(
             policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512
