@@ -85,8 +85,8 @@ class FinishedGroup:
         """The group of ``batch`` (final rows with ``min_policy_version`` and
         ``max_policy_version`` columns) at ``indices``."""
         low = [v for v in batch["min_policy_version"].tolist() if v >= 0]
-        high = int(batch["max_policy_version"].max()) if batch.size else -1
-        return cls(indices, batch, min(low) if low else -1, high)
+        high = max(batch["max_policy_version"].tolist(), default=-1)
+        return cls(indices, batch, min(low, default=-1), high)
 
 
 class RolloutStream:

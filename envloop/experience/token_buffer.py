@@ -31,12 +31,11 @@ class TokenBuffer:
 
     def reset(self, indices: torch.Tensor, sequences: list[torch.Tensor]) -> None:
         """Rows ``indices`` hold ``sequences`` (one each) and nothing else."""
-        rows = indices.numpy()
-        self.ids.numpy()[rows] = self.pad_id
-        self.lengths.numpy()[rows] = 0
-        if sequences:
-            counts = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-            self.append_ragged(indices, torch.cat(sequences), counts)
+        ids, lengths = self.ids.numpy(), self.lengths.numpy()
+        for row, sequence in zip(indices.tolist(), sequences, strict=True):
+            ids[row, : len(sequence)] = sequence.numpy()
+            ids[row, len(sequence) :] = self.pad_id
+            lengths[row] = len(sequence)
 
     def rows(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids [b, L], input_lengths [b])`` of rows ``indices``; L = longest row."""
