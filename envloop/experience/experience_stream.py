@@ -371,7 +371,9 @@ def _group_rows(datum: Any, group_size: int, number: int) -> BatchedDataDict[Any
         )
     if row.size != 1:
         raise ValueError(f"prompt {number} of the stream's source has {row.size} rows; give one")
-    return row.repeat_interleave(group_size)
+    # Several members get their own copies of the row's lists (repeat_interleave deep-copies
+    # them); a lone member shares them with the source, as a RolloutStream row does.
+    return row if group_size == 1 else row.repeat_interleave(group_size)
 
 
 async def _prompt_rows(prompts: Any) -> AsyncIterator[Any]:

@@ -41,10 +41,18 @@ class ScriptedGeneration(GenerationInterface):
         self, tokenizer: Any, respond: Callable[[str], str], logprob: float = -1.0
     ) -> None:
         self.tokenizer = tokenizer
-        self.respond = respond
         self.logprob = logprob
         self.calls: list[list[list[str] | None]] = []
-        self._policy_version = 0
+        self._script = (respond, 0)  # replaced whole, so a call reads a matching pair
+
+    @property
+    def respond(self) -> Callable[[str], str]:
+        """The current script: decoded prompt -> response text."""
+        return self._script[0]
+
+    @property
+    def policy_version(self) -> int:
+        return self._script[1]
 
     def update_weights(self, weights: Any, *, version: int | None = None) -> int:
         """Respond with ``weights`` (a function: decoded prompt -> response text) from now
@@ -54,13 +62,13 @@ class ScriptedGeneration(GenerationInterface):
                 f"ScriptedGeneration.update_weights takes the new respond function (decoded "
                 f"prompt -> response text), got {type(weights).__name__}."
             )
-        self._policy_version = next_policy_version(self._policy_version, version)
-        self.respond = weights
-        return self._policy_version
+        self._script = (weights, next_policy_version(self._script[1], version))
+        return self._script[1]
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
+        respond, version = self._script  # the weights of this whole call
         input_ids, lengths = data["input_ids"], data["input_lengths"].tolist()
         n = len(lengths)
         stop_strings = data.get("stop_strings") or [None] * n
@@ -71,14 +79,14 @@ class ScriptedGeneration(GenerationInterface):
             [row[:length] for row, length in zip(input_ids.tolist(), lengths)],
             skip_special_tokens=False,
         )
-        texts = [_cut_at_stop(self.respond(p), s) for p, s in zip(prompts, stop_strings)]
+        texts = [_cut_at_stop(respond(p), s) for p, s in zip(prompts, stop_strings)]
         encoded = self.tokenizer([t for t, _ in texts], add_special_tokens=False)["input_ids"]
         generated, truncated = [], []
         for ids, (_, stopped), budget in zip(encoded, texts, budget_list):
             ids = ids if stopped else [*ids, self.tokenizer.eos_token_id]
             truncated.append(budget is not None and len(ids) > budget)
             generated.append(ids[:budget] if budget is not None else ids)
-        return self._pack(input_ids, lengths, generated, truncated)
+        return self._pack(input_ids, lengths, generated, truncated, version)
 
     def _pack(
         self,
@@ -86,6 +94,7 @@ class ScriptedGeneration(GenerationInterface):
         lengths: list[int],
         generated: list[list[int]],
         truncated: list[bool],
+        version: int,
     ) -> BatchedDataDict[GenerationOutputSpec]:
         gen_lengths = [len(g) for g in generated]
         width = max([a + b for a, b in zip(lengths, gen_lengths)], default=0)
@@ -99,7 +108,7 @@ class ScriptedGeneration(GenerationInterface):
         positions = torch.arange(width)
         starts = torch.tensor(lengths, dtype=torch.long)[:, None]
         generated_at = (positions >= starts) & (positions < starts + gen[:, None])
-        versions = generated_at.to(torch.int32) * self._policy_version
+        versions = generated_at.to(torch.int32) * version
         return BatchedDataDict(
             output_ids=output_ids,
             logprobs=logprobs,
