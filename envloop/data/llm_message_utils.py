@@ -1,4 +1,4 @@
-"""Flatten, pad, mask and chat-template message logs (SPEC §4)."""
+"""Flatten, pad, mask and chat-template message logs (docs/contract.md §4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Rollout metrics (SPEC §7), the per-phase wall-clock timer behind the timing metrics, and
-the progress snapshot a running rollout reports after every turn."""
+"""Rollout metrics (docs/contract.md §7), the per-phase wall-clock timer behind the timing
+metrics, and the progress snapshot a running rollout reports after every turn."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The per-sample state of a batched rollout, and the steps of SPEC §7 that update it."""
+"""The per-sample state of a batched rollout, and the steps of docs/contract.md §7 that
+update it."""
 
 from __future__ import annotations
 

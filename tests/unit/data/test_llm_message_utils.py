@@ -1,4 +1,4 @@
-"""Message utilities (SPEC §4): flatten, pad, mask and chat-template message logs."""
+"""Message utilities (docs/contract.md §4): flatten, pad, mask and chat-template message logs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""BatchedDataDict (SPEC §3): row selection, repetition, sharding and concatenation."""
+"""BatchedDataDict (docs/contract.md §3): row selection, repetition, sharding and concatenation."""
 
 from __future__ import annotations
 
