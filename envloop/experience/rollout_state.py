@@ -135,13 +135,13 @@ class RolloutState:
                 f"'extra_env_info' has {len(metadata)} entries for {n} samples; give one per "
                 "sample (None where a sample has no metadata)."
             )
-        rows = np.asarray(
-            slots, dtype=np.int64
-        )  # written through numpy: a few µs, not 20 torch calls
-        zeroed = (self.total_reward, *self.components.values(), self.turns, self.gen_tokens)
-        for tensor in (*zeroed, self.env_tokens, self.terminated, self.failed):
+        # Written through numpy: a few µs, not 20 torch calls.
+        rows = np.asarray(slots, dtype=np.int64)
+        for tensor in (
+            self.total_reward, *self.components.values(), self.turns, self.gen_tokens,
+            self.env_tokens, self.terminated, self.failed, self.generation_failed,
+        ):  # fmt: skip
             tensor.numpy()[rows] = 0
-        self.generation_failed.numpy()[rows] = False
         self.min_version.numpy()[rows] = -1
         self.max_version.numpy()[rows] = -1
         self.tokens.reset(torch.from_numpy(rows), prompts)

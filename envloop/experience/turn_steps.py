@@ -105,24 +105,22 @@ def split_response_rows(
     gather = torch.from_numpy(np.repeat(row_starts - (np.cumsum(n) - n), n) + np.arange(n.sum()))
 
     def laid_out(key: str) -> torch.Tensor:
-        return torch.cat([output[key] for output in outputs], dim=1)[0, gather]
+        return torch.cat([_row_column(output, key) for output in outputs], dim=1)[0, gather]
 
-    has_versions = [output.get("policy_versions") is not None for output in outputs]
-    flat_versions = None
-    if any(has_versions):  # rows without the column hold version 0, as build_output writes
-        flat_versions = torch.cat(
-            [
-                output["policy_versions"]
-                if present
-                else torch.zeros(output["output_ids"].shape, dtype=torch.int32)
-                for output, present in zip(outputs, has_versions)
-            ],
-            dim=1,
-        )[0, gather]
+    has_versions = any(output.get("policy_versions") is not None for output in outputs)
+    flat_versions = laid_out("policy_versions") if has_versions else None
     generated = _Generated(
         laid_out("output_ids").long(), laid_out("logprobs").float(), flat_versions, counts
     )
     return _split_generated(generated, errors, tokenizer)
+
+
+def _row_column(output: BatchedDataDict[Any], key: str) -> torch.Tensor:
+    """``output[key]`` ([1, L]); a row without ``policy_versions`` holds version 0, as
+    ``build_output`` writes."""
+    if key == "policy_versions" and output.get(key) is None:
+        return torch.zeros(output["output_ids"].shape, dtype=torch.int32)
+    return output[key]
 
 
 @dataclass
