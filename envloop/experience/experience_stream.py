@@ -52,6 +52,23 @@ class _Group:
 
 
 @dataclass
+class _Running:
+    """Count, sum and largest of values seen (constant memory over an endless stream)."""
+
+    count: int = 0
+    total: int = 0
+    largest: int = 0
+
+    def add(self, value: int) -> None:
+        self.count, self.total = self.count + 1, self.total + value
+        self.largest = max(self.largest, value)
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
+@dataclass
 class _Counters:
     groups_yielded: int = 0
     groups_dropped_stale: int = 0
@@ -59,8 +76,8 @@ class _Counters:
     failed_samples: int = 0
     turns: int = 0
     generated_tokens: int = 0
-    staleness: list[int] = field(default_factory=list)  # age of each yielded group
-    version_spans: list[int] = field(default_factory=list)  # max - min of each yielded group
+    staleness: _Running = field(default_factory=_Running)  # yielded groups' ages
+    version_spans: _Running = field(default_factory=_Running)  # their max - min
     generation_wait_s: float = 0.0
 
 
@@ -203,10 +220,10 @@ class ExperienceStream:
             "env_or_generation_error_rate": c.failed_samples / max(c.samples_yielded, 1),
             "total_turns": c.turns,
             "total_generated_tokens": c.generated_tokens,
-            "mean_staleness": _mean(c.staleness),
-            "max_staleness": max(c.staleness, default=0),
-            "mean_version_span": _mean(c.version_spans),
-            "max_version_span": max(c.version_spans, default=0),
+            "mean_staleness": c.staleness.mean,
+            "max_staleness": c.staleness.largest,
+            "mean_version_span": c.version_spans.mean,
+            "max_version_span": c.version_spans.largest,
             "generation_wait_s": c.generation_wait_s,
         }
         for name in TIMING_PHASES:
@@ -326,8 +343,8 @@ class ExperienceStream:
         c.turns += int(batch["num_turns"].sum())
         c.generated_tokens += finished.generated_tokens
         if result.min_policy_version >= 0:
-            c.staleness.append(self.policy.policy_version - result.min_policy_version)
-            c.version_spans.append(result.max_policy_version - result.min_policy_version)
+            c.staleness.add(self.policy.policy_version - result.min_policy_version)
+            c.version_spans.add(result.max_policy_version - result.min_policy_version)
         return result
 
     def _member_indices(self, group: _Group) -> list[int]:
@@ -413,7 +430,3 @@ def _check_stream_args(group_size: Any, max_staleness: Any, max_buffered_groups:
         )
     if problems:
         raise ValueError("Invalid ExperienceStream arguments: " + "; ".join(problems))
-
-
-def _mean(values: list[int]) -> float:
-    return sum(values) / len(values) if values else 0.0
