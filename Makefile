@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@{ $(BIN)/pip install --upgrade pip \
 	  && $(BIN)/pip install -c constraints-cpu.txt torch \
-	  && $(BIN)/pip install -c constraints-cpu.txt -e '.[dev]'; } > $(LOG) 2>&1 \
+	  && $(BIN)/pip install -c constraints-cpu.txt -e '.[dev,trl]'; } > $(LOG) 2>&1 \
 	  || { tail -n 40 $(LOG); echo "install failed; the whole log is $(LOG)"; exit 1; }
 	@touch $(STAMP)
 
