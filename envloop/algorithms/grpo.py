@@ -73,7 +73,7 @@ def group_advantages(
     rewards: torch.Tensor,
     group_size: int,
     *,
-    valid: torch.Tensor | None = None,
+    valid: torch.Tensor | Sequence[float] | None = None,
     normalize_std: bool = True,
     leave_one_out: bool = False,
     epsilon: float = 1e-6,
@@ -94,7 +94,8 @@ def group_advantages(
     Args:
         rewards: [B] float rewards (e.g. a final batch's ``total_reward``).
         group_size: generations per prompt; must divide B.
-        valid: [B] 0/1 or bool (e.g. ``loss_multiplier``); None: every row is valid.
+        valid: [B] 0/1 or bool, a tensor or a list (e.g. a final batch's
+            ``loss_multiplier``); None: every row is valid.
         normalize_std: divide by the group's std.
         leave_one_out: RLOO's baseline (and std) over the other valid members.
         epsilon: added to the std before dividing.
@@ -157,8 +158,7 @@ def filter_informative_groups(batch: BatchedDataDict[Any], group_size: int) -> I
             f"filter_informative_groups reads the batch's total_reward column, which it lacks "
             f"(columns: {', '.join(sorted(batch)) or 'none'}); pass a final batch of a rollout."
         )
-    multiplier = batch.get("loss_multiplier")
-    valid = None if multiplier is None else torch.as_tensor(multiplier, dtype=torch.float32)
+    valid = batch.get("loss_multiplier")
     rewards, valid_rows = _checked_groups(batch["total_reward"], group_size, valid)
     informative = _informative(rewards, valid_rows, group_size)
     rows = informative.repeat_interleave(group_size).nonzero().flatten().cpu()
@@ -278,7 +278,7 @@ def training_batch(
 
 
 def _checked_groups(
-    rewards: torch.Tensor, group_size: int, valid: torch.Tensor | None
+    rewards: torch.Tensor, group_size: int, valid: torch.Tensor | Sequence[float] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rewards`` as a float [B] tensor and ``valid`` as bool [B] on its device, once B is
     known to be a multiple of ``group_size``."""
@@ -297,10 +297,11 @@ def _checked_groups(
         )
     if valid is None:
         return _float(rewards), torch.ones(size, dtype=torch.bool, device=rewards.device)
+    valid = torch.as_tensor(valid)
     if tuple(valid.shape) != (size,):
         raise ValueError(
             f"valid must be [B] like rewards (B = {size}), got shape {tuple(valid.shape)}; "
-            f"pass the batch's loss_multiplier as a tensor."
+            f"pass one entry per row (e.g. the batch's loss_multiplier)."
         )
     return _float(rewards), (valid != 0).to(rewards.device)
 

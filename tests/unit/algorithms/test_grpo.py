@@ -52,6 +52,11 @@ def test_group_advantages_leave_one_out():
     assert advantages.tolist() == pytest.approx(expected, rel=1e-6)
 
 
+def test_valid_may_be_a_list_like_an_input_batchs_loss_multiplier():
+    as_list = group_advantages(REWARDS, 4, valid=VALID.float().tolist())
+    assert as_list.tolist() == group_advantages(REWARDS, 4, valid=VALID).tolist()
+
+
 def test_singletons_and_groups_with_one_valid_member_get_zero():
     assert group_advantages(torch.tensor([1.0, 5.0, -2.0]), 1).tolist() == [0.0, 0.0, 0.0]
     advantages = group_advantages(torch.tensor([1.0, 5.0]), 2, valid=torch.tensor([0, 1]))
