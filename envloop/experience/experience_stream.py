@@ -147,6 +147,7 @@ class ExperienceStream:
         self._by_slot: dict[int, _Group] = {}
         self._ready: deque[_Finished] = deque()
         self._retry: deque[_Group] = deque()
+        self._admitted: list[_Group] = []  # given slots since the event loop's last turn
         self._running_groups = 0
         self._source_done = False
         self._started = self._closed = False
@@ -289,20 +290,49 @@ class ExperienceStream:
         return free_group and len(self._ready) < self.max_buffered_groups
 
     def _begin(self, group: _Group) -> None:
-        """Load ``group``'s prompt into free slots and start its members."""
+        """Give ``group`` free slots; its members start at the event loop's next turn,
+        loaded together with the other groups admitted in this one."""
         if "task_name" in group.rows:
             check_tasks_have_envs(list(group.rows["task_name"]), self.task_to_env)
-        slots = [self._free.popleft() for _ in range(self.group_size)]
-        try:
-            self.state.load(slots, group.rows)
-        except ValueError as exc:
-            self._free.extendleft(reversed(slots))
-            raise ValueError(f"prompt {group.number} of the stream's source: {exc}") from exc
-        group.slots, group.left, group.runs = slots, self.group_size, group.runs + 1
+        group.slots = [self._free.popleft() for _ in range(self.group_size)]
+        group.left, group.runs = self.group_size, group.runs + 1
         self._running_groups += 1
-        for slot in slots:
-            self._by_slot[slot] = group
-            self._engine.begin(slot)
+        if not self._admitted:
+            asyncio.get_running_loop().call_soon(self._start_admitted)
+        self._admitted.append(group)
+
+    def _start_admitted(self) -> None:
+        """Load the groups admitted since the event loop's last turn into their slots in
+        one step and start their members (an event loop callback: errors go to the
+        consumer)."""
+        groups, self._admitted = self._admitted, []
+        if self._closed:
+            return
+        try:
+            self._load(groups)
+        except Exception as exc:
+            self._fail(exc)
+            return
+        for group in groups:
+            for slot in group.slots:
+                self._by_slot[slot] = group
+                self._engine.begin(slot)
+
+    def _load(self, groups: list[_Group]) -> None:
+        """Load ``groups``' rows into their slots; a bad prompt's error names it."""
+        rows = [group.rows for group in groups]
+        if all("message_log" in row and "task_name" in row for row in rows):
+            slots = [slot for group in groups for slot in group.slots]
+            try:
+                self.state.load(slots, _load_rows(rows))
+                return
+            except ValueError:
+                pass
+        for group in groups:  # one at a time, to name the bad prompt
+            try:
+                self.state.load(group.slots, group.rows)
+            except ValueError as exc:
+                raise ValueError(f"prompt {group.number} of the stream's source: {exc}") from exc
 
     # -- finishing ------------------------------------------------------------------
 
@@ -313,7 +343,7 @@ class ExperienceStream:
             return
         self._running_groups -= 1
         rows = slot_rows(group.rows.copy(), self.state, group.slots)
-        tokens = int(self.state.gen_tokens[group.slots].sum())
+        tokens = int(self.state.gen_tokens.numpy()[group.slots].sum())
         finished = _Finished(group, FinishedGroup.of(self._member_indices(group), rows), tokens)
         self._free.extend(group.slots)
         if self._is_stale(finished):
@@ -373,6 +403,20 @@ class _Finished:
     group: _Group
     result: FinishedGroup
     generated_tokens: int
+
+
+_LOADED_COLUMNS = ("message_log", "task_name", "stop_strings", "extra_env_info")
+"""The input columns ``RolloutState.load`` reads."""
+
+
+def _load_rows(rows: list[BatchedDataDict[Any]]) -> BatchedDataDict[Any]:
+    """The columns of ``rows`` that ``RolloutState.load`` reads, laid end to end (a column
+    some rows lack is None there, as ``load`` reads a missing one)."""
+    merged: dict[str, list[Any]] = {}
+    for key in _LOADED_COLUMNS:
+        if any(key in row for row in rows):
+            merged[key] = [v for row in rows for v in (row.get(key) or [None] * row.size)]
+    return BatchedDataDict(merged)
 
 
 def _group_rows(datum: Any, group_size: int, number: int) -> BatchedDataDict[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
@@ -29,24 +30,29 @@ def slot_rows(
     """The final rows of the samples in ``state``'s slots ``idx``, whose input rows are
     ``input_rows`` (in the same order; the dict is filled in and returned)."""
     final = input_rows
-    index = torch.tensor(idx, dtype=torch.long)
-    failed = state.failed[index] | state.generation_failed[index]
+    rows = np.asarray(idx, dtype=np.int64)
+
+    def taken(column: torch.Tensor) -> torch.Tensor:
+        # Indexed through numpy: a copy of the rows in a µs or two, not a torch call's ten.
+        return torch.from_numpy(column.numpy()[rows])
+
+    failed = taken(state.failed) | taken(state.generation_failed)
     given = final.get("loss_multiplier")
     final["message_log"] = [state.message_logs[i] for i in idx]
     final["extra_env_info"] = [state.metadata[i] for i in idx]
     final["loss_multiplier"] = _loss_multiplier(given, failed)
-    final["total_reward"] = state.total_reward[index]
-    final["truncated"] = state.truncated[index]
-    final["terminated"] = state.terminated[index]
-    final["num_turns"] = state.turns[index]
+    final["total_reward"] = taken(state.total_reward)
+    final["truncated"] = taken(state.truncated)
+    final["terminated"] = taken(state.terminated)
+    final["num_turns"] = taken(state.turns)
     final["turn_rewards"] = [state.turn_rewards[i] for i in idx]
     final["env_error"] = [state.errors[i] for i in idx]
     final["generation_error"] = [state.generation_errors[i] for i in idx]
     for name, totals in state.components.items():
-        final[name] = totals[index]
+        final[name] = taken(totals)
     final["reward_components"] = [sorted(state.component_names[i]) for i in idx]
-    final["min_policy_version"] = state.min_version[index]
-    final["max_policy_version"] = state.max_version[index]
+    final["min_policy_version"] = taken(state.min_version)
+    final["max_policy_version"] = taken(state.max_version)
     return final
 
 
