@@ -13,6 +13,11 @@ version among its generated tokens. A group older than ``max_staleness`` when it
 or when it is handed to the consumer, is dropped and its prompt runs again (a
 regeneration), so every group the consumer receives is at most ``max_staleness`` versions
 old at that moment.
+
+Dynamic sampling (DAPO, ``filter_groups=True``): a group that finishes with no reward
+signal (fewer than two valid members, or all valid rewards equal; see
+:func:`envloop.algorithms.grpo.filter_informative_groups`) is dropped and its slots admit
+the next prompt, so the consumer only receives groups with a nonzero advantage.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from envloop.algorithms.grpo import filter_informative_groups
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, SampleEngine
 from envloop.experience.env_dispatch import check_tasks_have_envs
@@ -72,6 +78,7 @@ class _Running:
 class _Counters:
     groups_yielded: int = 0
     groups_dropped_stale: int = 0
+    groups_dropped_uninformative: int = 0
     samples_yielded: int = 0
     failed_samples: int = 0
     turns: int = 0
@@ -106,6 +113,8 @@ class ExperienceStream:
         max_buffered_groups: finished groups that may wait unconsumed before no new prompt
             is admitted; None: as many as run at once (``max_concurrent_samples //
             group_size``).
+        filter_groups: drop groups without reward signal as they finish and admit more
+            prompts in their place (DAPO's dynamic sampling); needs ``group_size >= 2``.
         **options: those of ``run_async_multi_turn_rollout``
             (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`);
             ``max_concurrent_samples`` defaults to 64 here.
@@ -124,14 +133,16 @@ class ExperienceStream:
         group_size: int = 1,
         max_staleness: int | None = None,
         max_buffered_groups: int | None = None,
+        filter_groups: bool = False,
         **options: Any,
     ) -> None:
         self.options = AsyncRolloutOptions.from_mapping(options)
         check_limits(max_seq_len, max_rollout_turns)
-        _check_stream_args(group_size, max_staleness, max_buffered_groups)
+        _check_stream_args(group_size, max_staleness, max_buffered_groups, filter_groups)
         concurrent = self.options.max_concurrent_samples or DEFAULT_MAX_CONCURRENT_SAMPLES
         self.group_size = group_size
         self.max_staleness = max_staleness
+        self.filter_groups = filter_groups
         self.slots_total = max(1, concurrent // group_size) * group_size
         self.max_buffered_groups = max_buffered_groups or self.slots_total // group_size
         self.policy, self.task_to_env = policy_generation, task_to_env
@@ -205,6 +216,7 @@ class ExperienceStream:
     def metrics(self) -> dict[str, float | int]:
         """What the stream has done so far: ``groups_yielded``, ``groups_dropped_stale``,
         ``regenerations`` (prompts run again because their group was stale),
+        ``groups_dropped_uninformative`` (with ``filter_groups``),
         ``samples_yielded``, ``env_or_generation_error_rate`` (failed members among those
         yielded), ``total_turns``, ``total_generated_tokens``, ``mean_staleness`` and
         ``max_staleness`` (versions between a yielded group's oldest token and the
@@ -217,6 +229,7 @@ class ExperienceStream:
             "groups_yielded": c.groups_yielded,
             "groups_dropped_stale": c.groups_dropped_stale,
             "regenerations": c.groups_dropped_stale,
+            "groups_dropped_uninformative": c.groups_dropped_uninformative,
             "samples_yielded": c.samples_yielded,
             "env_or_generation_error_rate": c.failed_samples / max(c.samples_yielded, 1),
             "total_turns": c.turns,
@@ -348,6 +361,8 @@ class ExperienceStream:
         self._free.extend(group.slots)
         if self._is_stale(finished):
             self._regenerate(finished)
+        elif self.filter_groups and filter_informative_groups(rows, self.group_size).dropped_groups:
+            self._counters.groups_dropped_uninformative += 1
         else:
             self._ready.append(finished)
         self._notify()
@@ -456,7 +471,9 @@ async def _prompt_rows(prompts: Any) -> AsyncIterator[Any]:
         )
 
 
-def _check_stream_args(group_size: Any, max_staleness: Any, max_buffered_groups: Any) -> None:
+def _check_stream_args(
+    group_size: Any, max_staleness: Any, max_buffered_groups: Any, filter_groups: Any
+) -> None:
     problems = []
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         problems.append(f"group_size must be an int >= 1, got {group_size!r}")
@@ -471,6 +488,13 @@ def _check_stream_args(group_size: Any, max_staleness: Any, max_buffered_groups:
     ):
         problems.append(
             f"max_buffered_groups must be None or an int >= 1, got {max_buffered_groups!r}"
+        )
+    if not isinstance(filter_groups, bool):
+        problems.append(f"filter_groups must be True or False, got {filter_groups!r}")
+    elif filter_groups and isinstance(group_size, int) and group_size < 2:
+        problems.append(
+            f"filter_groups=True needs group_size >= 2 (got {group_size}): a group of one "
+            "has no reward signal to keep"
         )
     if problems:
         raise ValueError("Invalid ExperienceStream arguments: " + "; ".join(problems))

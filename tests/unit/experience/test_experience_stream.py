@@ -243,17 +243,45 @@ def test_close_mid_stream_leaves_nothing_running(tiny_policy_dir):
     assert policy.decode_stats()[0]["requests"] > 2  # other groups were mid-generation
 
 
+def test_filter_groups_drops_groups_without_reward_signal_and_admits_more_prompts(
+    tiny_tokenizer,
+):
+    # One guess each: member 0 of every group guesses 50, member 1 guesses 1 (one group per
+    # generate call, its rows in member order). Secret 50: rewards [1, 0], a signal;
+    # other secrets: [0, 0], none.
+    secrets = [50, 37, 50, 12, 80]
+    batch = make_batch(tiny_tokenizer, [guess_sample(s, max_guesses=1) for s in secrets])
+    rows = [{key: batch[key][i] for key in batch} for i in range(batch.size)]
+    calls = iter(range(1000))
+    policy = ScriptedGeneration(
+        tiny_tokenizer,
+        lambda _: "<guess>50</guess>" if next(calls) % 2 == 0 else "<guess>1</guess>",
+    )
+    stream = ExperienceStream(
+        policy, rows, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_concurrent_samples=2, filter_groups=True,
+    )  # fmt: skip
+    groups = asyncio.run(collect(stream))
+    assert [g.indices for g in groups] == [[0, 1], [4, 5]]  # prompts 0 and 2
+    assert [g.batch["total_reward"].tolist() for g in groups] == [[1.0, 0.0], [1.0, 0.0]]
+    metrics = stream.metrics()
+    assert (metrics["groups_yielded"], metrics["groups_dropped_uninformative"]) == (2, 3)
+    assert metrics["groups_dropped_stale"] == 0
+
+
 def test_arguments_are_checked_together(tiny_tokenizer):
     policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
     with pytest.raises(ValueError) as info:
         ExperienceStream(
             policy, [], tiny_tokenizer, {}, 512, group_size=0, max_staleness=-1,
-            max_buffered_groups=True,
+            max_buffered_groups=True, filter_groups=True,
         )  # fmt: skip
     assert str(info.value) == (
         "Invalid ExperienceStream arguments: group_size must be an int >= 1, got 0; "
         "max_staleness must be None or an int >= 0, got -1; "
-        "max_buffered_groups must be None or an int >= 1, got True"
+        "max_buffered_groups must be None or an int >= 1, got True; "
+        "filter_groups=True needs group_size >= 2 (got 0): a group of one has no reward "
+        "signal to keep"
     )
 
 
