@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
+from envloop.config.errors import ConfigError
 from envloop.data.datasets import PromptSample, build_rollout_batch, prompt_message_logs
 from envloop.data.message_tokens import text_only_tokenizer
 from envloop.data.tokenization import tokenize_texts
@@ -152,14 +153,11 @@ class EnvloopRolloutFunc:
         tokenizer = tokenizer if tokenizer is not None else _policy_tokenizer(policy)
         problems = _argument_problems(task_to_env, sample_for_prompt, engine, text_prompts)
         problems += _limit_problems(max_seq_len, max_rollout_turns)
+        problems += _option_problems(engine, rollout_options)
         if tokenizer is None:
             problems.append("the policy has no tokenizer attribute: pass tokenizer=")
         if problems:
-            raise ValueError(
-                "Invalid envloop_rollout_func arguments:\n"
-                + "\n".join(f"  - {p}" for p in problems)
-            )
-        (AsyncRolloutOptions if engine == "async" else RolloutOptions).from_mapping(rollout_options)
+            raise ConfigError("envloop_rollout_func arguments", problems)
         self.policy = policy
         self.task_to_env = dict(task_to_env)
         self.max_seq_len, self.max_rollout_turns = max_seq_len, max_rollout_turns
@@ -306,7 +304,7 @@ def envloop_rollout_func(
     >>> envloop_rollout_func(None, {"math": None, "code": None}, max_seq_len=0, tokenizer="t")
     Traceback (most recent call last):
     ...
-    ValueError: Invalid envloop_rollout_func arguments:
+    envloop.config.errors.ConfigError: Invalid envloop_rollout_func arguments:
       - task_to_env has 2 tasks (math, code): pass sample_for_prompt, which names each prompt's task
       - max_seq_len must be a positive int, got 0
     """
@@ -468,6 +466,16 @@ def _limit_problems(max_seq_len: int, max_rollout_turns: int) -> list[str]:
         check_limits(max_seq_len, max_rollout_turns)
     except ValueError as exc:
         return str(exc).split("; ")
+    return []
+
+
+def _option_problems(engine: str, rollout_options: Mapping[str, Any]) -> list[str]:
+    """The engine's own complaints about its keyword options."""
+    options = AsyncRolloutOptions if engine == "async" else RolloutOptions
+    try:
+        options.from_mapping(rollout_options)
+    except ConfigError as exc:
+        return exc.problems
     return []
 
 
