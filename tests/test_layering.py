@@ -16,7 +16,7 @@ RANKS = {
     "data": 3,  # messages, chat templates, tokenization, datasets
     "models": 4,  # tokenizers, bundled models, generation backends
     "environments": 5,  # the environment interface, registry and built-ins
-    "algorithms": 5,  # NeMo-RL's algorithms.utils (get_tokenizer)
+    "algorithms": 5,  # GRPO building blocks, NeMo-RL's algorithms.utils
     "experience": 6,  # the rollout engine
     "demo": 7,  # the demo's tasks (application: data for the bundled models)
     "run": 7,  # the envloop run application
