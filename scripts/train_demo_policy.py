@@ -1,6 +1,7 @@
 """Train the bundled demo policy (``envloop/demo/assets/policy``) on CPU, reproducibly.
 
     .venv/bin/python scripts/train_demo_policy.py [--steps 1800] [--seed 0] [--out DIR]
+        [--save-at STEP DIR ...]
 
 A 4-layer Qwen3 causal LM (hidden 128, 0.85 M parameters) with its own byte-level BPE
 tokenizer (digits one per token, ChatML template) learns, by supervised training on the
@@ -20,6 +21,11 @@ own tokens (plus EOS where generation ends at EOS; an action ends at the stop st
 ``chat_template``). The loss covers assistant tokens only, and the ``<|im_end|>`` that
 follows an action (so a first turn without stop strings ends there too, giving the same
 tokens). Same seed, same data, same weights (on the same torch build).
+
+``--save-at STEP DIR`` (repeatable, STEP a multiple of 100) saves the model as it is after
+STEP steps of the same ``--steps`` schedule (an earlier checkpoint on the bundled policy's
+own training path, e.g. ``--save-at 300 DIR``: ``--steps 300`` would decay the learning rate
+over 300 steps instead and give other weights); the run stops at the last STEP given.
 """
 
 from __future__ import annotations
@@ -270,6 +276,32 @@ def held_out_examples(tokenizer: Any, renderer: ObservationRenderer) -> dict[str
     return out
 
 
+# --- saving ----------------------------------------------------------------------------
+
+
+class LastCheckpointSaved(Exception):
+    """Raised from the log callback once the last ``--save-at`` checkpoint is written."""
+
+
+def checkpoint_steps(save_at: list[list[str]], steps: int) -> dict[int, Path]:
+    """``--save-at`` pairs as {step: folder}; each step a multiple of 100 (the log
+    callback's period) within ``steps``."""
+    checkpoints = {int(step): Path(folder) for step, folder in save_at}
+    bad = [step for step in checkpoints if step % 100 or not 0 < step <= steps]
+    if bad:
+        raise SystemExit(f"--save-at steps must be multiples of 100 up to --steps {steps}: {bad}")
+    return checkpoints
+
+
+def save(model: Any, tokenizer: Any, folder: Path) -> None:
+    """The model and tokenizer as a ``from_pretrained`` folder that generates up to EOS."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1800)
@@ -281,7 +313,13 @@ def main() -> None:
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--puzzles", type=int, default=2000, help="episodes per puzzle size")
     parser.add_argument("--out", type=Path, default=ASSETS / "policy")
+    parser.add_argument(
+        "--save-at", nargs=2, action="append", default=[], metavar=("STEP", "DIR"),
+        help="also save the model after STEP steps (a multiple of 100) to DIR; repeatable; "
+        "the run stops at the last STEP",
+    )  # fmt: skip
     args = parser.parse_args()
+    save_at = checkpoint_steps(args.save_at, args.steps)
     started = time.monotonic()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -309,14 +347,23 @@ def main() -> None:
             )
             model.train()
         print(f"step {step} {time.monotonic() - started:.0f}s loss {shown}{extra}", flush=True)
+        if step in save_at:
+            save(model, tokenizer, save_at[step])
+            print(f"saved step {step} to {save_at[step]}", flush=True)
+            if step == max(save_at):
+                raise LastCheckpointSaved
 
     stream = batches(pools, random.Random(args.seed + 1), args.tokens_per_batch)
-    train(model, stream, args.steps, args.lr, lambda ex: masked_loss(model, *collate(ex, pad)), log)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(args.out)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(args.out)
+
+    def loss_of(examples: list[Example]) -> torch.Tensor:
+        return masked_loss(model, *collate(examples, pad))
+
+    try:
+        train(model, stream, args.steps, args.lr, loss_of, log)
+    except LastCheckpointSaved:
+        print(f"stopped after step {max(save_at)}, {time.monotonic() - started:.0f} s")
+        return
+    save(model, tokenizer, args.out)
     print(f"saved to {args.out} after {time.monotonic() - started:.0f} s")
 
 
