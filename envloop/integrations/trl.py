@@ -35,7 +35,9 @@ Tested with TRL 1.16.0 (transformers 5.24, torch 2.13, CPU).
   (``completions/clipped_ratio``, and ``mask_truncated_completions`` drops it). So the
   completion ends with the last assistant turn: an environment reply after it (the math
   environment's final verdict, which the chat template closes with the next assistant
-  prefix) is left out, or every episode would read as truncated.
+  prefix) is left out, or every episode would read as truncated. A last turn that ended
+  at a stop string (``</action>``) or at ``max_seq_len`` does read as truncated: with such
+  tasks, leave ``mask_truncated_completions`` off.
 - ``logprobs`` are the sampling log-probabilities; TRL reads them only with vLLM
   (``vllm_importance_sampling_correction``) or ``off_policy_mask_threshold``, always under the
   same ``completion_mask * env_mask``, so the 0 at environment tokens is never used.
