@@ -19,6 +19,7 @@ RANKS = {
     "algorithms": 5,  # GRPO building blocks, NeMo-RL's algorithms.utils
     "experience": 6,  # the rollout engine
     "demo": 7,  # the demo's tasks (application: data for the bundled models)
+    "integrations": 7,  # adapters for other trainers (TRL), an optional extra
     "run": 7,  # the envloop run application
     "report": 8,  # the HTML report and reverify, built from run directories
     "cli": 9,  # the envloop command
