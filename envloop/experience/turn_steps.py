@@ -102,18 +102,27 @@ def split_response_rows(
             "counts more tokens than its output_ids hold after the prompt."
         )
 
-    def laid_out(key: str, dtype: torch.dtype) -> torch.Tensor:
-        rows = [_row_column(output, key)[0].detach().cpu().to(dtype) for output in outputs]
-        pieces = [row.numpy()[start : start + k] for row, start, k in zip(rows, prompts, n)]
-        return torch.from_numpy(np.concatenate(pieces))
+    def laid_out(key: str, dtype: type) -> torch.Tensor:
+        rows = [_row_values(_row_column(output, key)) for output in outputs]
+        pieces = [row[start : start + k] for row, start, k in zip(rows, prompts, n)]
+        return torch.from_numpy(np.concatenate(pieces).astype(dtype, copy=False))
 
     has_versions = any(output.get("policy_versions") is not None for output in outputs)
-    flat_versions = laid_out("policy_versions", torch.int32) if has_versions else None
+    flat_versions = laid_out("policy_versions", np.int32) if has_versions else None
     generated = _Generated(
-        laid_out("output_ids", torch.long), laid_out("logprobs", torch.float32), flat_versions,
-        counts,
-    )  # fmt: skip
+        laid_out("output_ids", np.int64), laid_out("logprobs", np.float32), flat_versions, counts
+    )
     return _split_generated(generated, errors, tokenizer)
+
+
+def _row_values(column: torch.Tensor) -> np.ndarray:
+    """The one row of ``column`` ([1, L]) as a numpy array (a view where numpy can read
+    the tensor: a µs, where torch's own conversions cost several)."""
+    try:
+        return column.numpy()[0]
+    except (TypeError, RuntimeError):  # on a GPU, in autograd, or bfloat16
+        column = column.detach().cpu()
+        return (column.float() if column.is_floating_point() else column).numpy()[0]
 
 
 def _row_column(output: BatchedDataDict[Any], key: str) -> torch.Tensor:

@@ -158,6 +158,26 @@ def test_split_response_rows_reads_version_zero_for_rows_without_versions(
     assert without.versions[0].dtype == torch.int32 and without.max_versions.tolist() == [0]
 
 
+def test_split_response_rows_reads_rows_numpy_cannot_view(tiny_tokenizer, two_responses):
+    # bfloat16 logprobs, logprobs still in autograd, int32 token ids: the same responses,
+    # with the engine's dtypes.
+    output, input_lengths, _, _ = two_responses
+    rows = one_row_outputs(output, [output["output_ids"].shape[1]] * 2)
+    rows[0]["logprobs"] = rows[0]["logprobs"].to(torch.bfloat16)
+    rows[1]["logprobs"] = rows[1]["logprobs"].clone().requires_grad_(True)
+    rows[1]["output_ids"] = rows[1]["output_ids"].to(torch.int32)
+    got = split_response_rows(rows, input_lengths.tolist(), [99, 99], tiny_tokenizer)
+    expected_output = BatchedDataDict(output)
+    expected_output["logprobs"] = torch.cat(
+        [rows[0]["logprobs"].float(), rows[1]["logprobs"].detach()]
+    )
+    expected = split_responses(
+        expected_output, input_lengths, torch.tensor([99, 99]), tiny_tokenizer
+    )
+    assert_same_responses(got, expected)
+    assert got.logprobs[0].dtype == torch.float32 and got.token_ids[1].dtype == torch.int64
+
+
 def test_split_response_rows_rejects_a_row_claiming_tokens_it_lacks(tiny_tokenizer, two_responses):
     output, _, _, _ = two_responses
     rows = one_row_outputs(output, [7, 3])  # row 1: a prompt of 1 token and only 2 generated
