@@ -16,6 +16,8 @@ kept as it is, or rebuilt from the new weights by :meth:`DecodeBatch.recompute`.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -308,12 +310,26 @@ def _next_token_logits(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        **{cache_keyword(type(model)): cache},
         use_cache=True,
         logits_to_keep=1,
         **(vision or {}),
     )
     return out.logits[:, -1, :]
+
+
+@functools.cache
+def cache_keyword(model_class: type) -> str:
+    """The keyword ``model_class.forward`` takes its KV cache by: ``cache`` since
+    transformers renamed it (5.x deprecates ``past_key_values``, to be removed in 5.40),
+    ``past_key_values`` in earlier releases and in models that still use it.
+
+    >>> from transformers import Qwen3ForCausalLM
+    >>> cache_keyword(Qwen3ForCausalLM)
+    'cache'
+    """
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _packed_vision(
