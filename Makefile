@@ -34,7 +34,7 @@ demo: $(STAMP)
 	@echo "      sliding puzzles and a bundled reward model; 24 prompts x 2 samples, Ray actors)"
 	@RAY_AUTH_MODE=disabled $(BIN)/envloop run examples/demo.yaml
 	@echo "demo: envloop run examples/vlm_demo.yaml (the bundled tiny vision-language policy"
-	@echo "      counts and locates coloured shapes in 24 pictures, two generations each)"
+	@echo "      counts and locates coloured shapes in 24 pictures, one generation each)"
 	@RAY_AUTH_MODE=disabled $(BIN)/envloop run examples/vlm_demo.yaml
 	@echo "demo: done; open runs/demo/report.html and runs/vlm_demo/report.html in a browser,"
 	@echo "      or read their rollouts.jsonl"

@@ -244,7 +244,8 @@ class MathEnvironment(EnvironmentInterface):
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
-        """Every problem of ``config`` (:func:`.math_config.config_problems`)."""
+        """Every problem of ``config`` (see
+        :func:`envloop.environments.math.config.config_problems`)."""
         return config_problems(config)
 
 
@@ -283,7 +284,8 @@ class MathMultiRewardEnvironment(MathEnvironment):
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
-        """Every problem of ``config`` (:func:`.math_config.multi_reward_config_problems`)."""
+        """Every problem of ``config`` (see
+        :func:`envloop.environments.math.config.multi_reward_config_problems`)."""
         return multi_reward_config_problems(config)
 
 
