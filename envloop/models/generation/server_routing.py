@@ -19,6 +19,9 @@ from typing import Any
 MAX_STICKY_SAMPLES = 1 << 16
 """Samples whose server is remembered (the least recently used are forgotten first)."""
 MAX_SET_ASIDE_S = 60.0
+MAX_DOUBLINGS = 64
+"""Consecutive failures past which the set-aside stops doubling (it is at the cap long
+before; ``2.0 ** n`` itself would overflow a float past n = 1023)."""
 
 
 @dataclass(eq=False)
@@ -76,7 +79,8 @@ class ServerRouter:
             server.failures, server.down_until = 0, 0.0
             return
         server.failures += 1
-        wait = min(self.base_set_aside_s * 2 ** (server.failures - 1), MAX_SET_ASIDE_S)
+        doublings = min(server.failures - 1, MAX_DOUBLINGS)
+        wait = min(self.base_set_aside_s * 2.0**doublings, MAX_SET_ASIDE_S)
         server.down_until = self.clock() + wait
 
     def _least_outstanding(self, now: float) -> ServerSlot:

@@ -97,6 +97,16 @@ def test_set_aside_doubles_per_consecutive_failure_up_to_the_cap():
     assert server.failures == 10
 
 
+def test_thousands_of_consecutive_failures_keep_the_capped_set_aside():
+    # 2 ** 1100 no longer fits a float: the doubling stops long before.
+    router, clock = make_router(base=0.5)
+    server = slot(router, "http://a")
+    for _ in range(1100):
+        fail(router, "http://a")
+    assert server.failures == 1100
+    assert server.down_until - clock() == MAX_SET_ASIDE_S
+
+
 def test_an_answered_request_resets_the_set_aside():
     router, clock = make_router(base=0.5)
     server = slot(router, "http://a")
