@@ -379,3 +379,32 @@ def test_options_are_validated_together(tiny_tokenizer):
     with pytest.raises(ValueError, match="group_size must be a positive int dividing"):
         stream = RolloutStream(policy, batch, tiny_tokenizer, scripted_envs(), 160)
         asyncio.run(stream.groups(2).__anext__())
+
+
+class CallSizes(GuessNumberEnv):
+    """Records how many samples each step call gets."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.lock = threading.Lock()
+
+    def step(self, message_log_batch, metadata, *args, **kwargs):
+        with self.lock:
+            self.sizes.append(len(metadata))
+        return super().step(message_log_batch, metadata)
+
+
+def test_waiting_samples_are_shared_evenly_among_the_fewest_calls(tiny_tokenizer):
+    # Seven samples reach the environment together, at most three a call: 3, 2, 2, not a
+    # call of one left over.
+    env = CallSizes()
+    samples = [guess_sample(50, max_guesses=1) for _ in range(7)]
+    final, _ = asyncio.run(
+        run_async_multi_turn_rollout(
+            ScriptedGeneration(tiny_tokenizer, scripted_respond),
+            make_batch(tiny_tokenizer, samples), tiny_tokenizer, {"guess": env}, 512,
+            max_coalesced_samples=3,
+        )
+    )  # fmt: skip
+    assert final["total_reward"].tolist() == [1.0] * 7
+    assert sorted(env.sizes, reverse=True) == [3, 2, 2]
