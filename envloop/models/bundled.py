@@ -20,11 +20,19 @@ __all__ = [
 
 BUNDLED_PREFIX = "bundled:"
 ASSETS = Path(__file__).resolve().parents[1] / "demo" / "assets"
-BUNDLED_NAMES = ("policy", "reward_model", "vlm_policy")
+BUNDLED_NAMES = ("policy", "policy_early", "reward_model", "vlm_policy")
+_RECIPES = {
+    "policy": "scripts/train_demo_policy.py",
+    "policy_early": "scripts/train_demo_policy.py --save-at 1000 envloop/demo/assets/policy_early",
+    "reward_model": "scripts/train_demo_reward_model.py",
+    "vlm_policy": "scripts/train_demo_vlm_policy.py",
+}
+"""The command that writes each bundled model (``policy_early``: step 1000 of the policy's
+own 1800-step run, the starting point of ``examples/grpo_train.py``)."""
 
 
 def bundled_path(name: str) -> Path:
-    """The folder of bundled model ``name`` (``"policy"`` or ``"reward_model"``).
+    """The folder of bundled model ``name`` (one of :data:`BUNDLED_NAMES`).
 
     >>> try:
     ...     bundled_path("critic")
@@ -40,8 +48,7 @@ def bundled_path(name: str) -> Path:
     folder = ASSETS / name
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"The bundled {name} is missing from {folder}; recreate it with "
-            f"scripts/train_demo_{name}.py."
+            f"The bundled {name} is missing from {folder}; recreate it with {_RECIPES[name]}."
         )
     return folder
 
