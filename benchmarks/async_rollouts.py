@@ -19,11 +19,17 @@ environment steps take 50x the median), against a simulated batched decoder (see
 at least 2x faster than sync, and within 1.25x of the lower bound (see
 :meth:`LongTailWorkload.lower_bound_s`).
 
+``switch-interval``: the ``streaming`` engines with the interpreter's GIL switch interval
+(``sys.setswitchinterval``) at Python's 5 ms and lower, all interleaved in one run, each
+engine's overhead against the sync loop's at 5 ms: the environment calls' Ray round trips
+wait for the GIL while the event loop's thread does bookkeeping.
+
 ``profile``: one engine once under cProfile (the event loop's thread), top functions by own
 and cumulative time: ``--engine async`` on the ``overhead`` workload, ``RolloutStream`` or
 ``ExperienceStream`` on the ``streaming`` one, ``long-tail`` the async engine on the long tail.
 
-    .venv/bin/python benchmarks/async_rollouts.py [all|overhead|streaming|long-tail|profile]
+    .venv/bin/python benchmarks/async_rollouts.py
+        [all|overhead|streaming|switch-interval|long-tail|profile]
         [--engine ENGINE] [--repeats N] [--quick]
 """
 
@@ -233,6 +239,46 @@ def streaming_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
         "",
         *overhead_table(STREAMING_ENGINES, runs),
     ]
+
+
+SWITCH_INTERVALS_S = (0.005, 0.001, 0.0005)
+"""The GIL switch intervals ``switch-interval`` compares (Python's default first)."""
+
+
+def switch_interval_section(args: argparse.Namespace, tokenizer: Any) -> list[str]:
+    import ray
+
+    env = actor_class(CountdownEnv, num_cpus=0).remote(args.turns)
+    ray.get(env.__ray_ready__.remote())
+    default = sys.getswitchinterval()
+    runs: dict[tuple[float, str], list[dict]] = {}
+    try:
+        for _ in range(args.repeats):
+            for interval in SWITCH_INTERVALS_S:
+                sys.setswitchinterval(interval)
+                for engine in STREAMING_ENGINES:
+                    run = overhead_run(engine, args, tokenizer, env, StreamingResponsePolicy)
+                    runs.setdefault((interval, engine), []).append(run)
+    finally:
+        sys.setswitchinterval(default)
+        ray.kill(env)
+    base = [r["total overhead"] for r in runs[(SWITCH_INTERVALS_S[0], "sync")]]
+    lines = [
+        f"Overhead with a streaming policy by GIL switch interval, µs per sample-turn "
+        f"({args.samples} samples x {args.turns} turns, the streaming section's workload; "
+        f"median (min-max) of {args.repeats}, intervals and engines interleaved; each ratio "
+        f"per repetition against the sync loop at 5 ms; load {load_avg()})",
+        "",
+        "| switch interval | engine | total overhead | / sync at 5 ms |",
+        "|---:|---|---:|---:|",
+    ]
+    for (interval, engine), values in runs.items():
+        totals = [r["total overhead"] for r in values]
+        ratios = [t / b for t, b in zip(totals, base)]
+        lines.append(
+            f"| {interval * 1e3:g} ms | {engine} | {spread(totals)} | {spread_ratio(ratios)} |"
+        )
+    return lines
 
 
 PROFILED = {
@@ -681,7 +727,7 @@ def parse_args() -> argparse.Namespace:
         "section",
         nargs="?",
         default="all",
-        choices=["all", "overhead", "streaming", "long-tail", "profile"],
+        choices=["all", "overhead", "streaming", "switch-interval", "long-tail", "profile"],
     )
     parser.add_argument(
         "--engine",
@@ -735,6 +781,7 @@ def main() -> None:
         "overhead": overhead_section,
         "long-tail": long_tail_section,
         "streaming": streaming_section,
+        "switch-interval": switch_interval_section,
         "profile": profile_section,
     }
     chosen = ["overhead", "streaming", "long-tail"] if args.section == "all" else [args.section]
