@@ -4,7 +4,7 @@ configs with it before starting Ray."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field
 from typing_extensions import TypedDict
@@ -23,6 +23,17 @@ class CodeJaccardEnvConfig(TypedDict, total=False):
     ]
     alignment_threshold: Annotated[
         float, Field(0.5, ge=0, lt=1, description='a score above this is "aligned"')
+    ]
+    similarity: Annotated[
+        Literal["words", "code_tokens"],
+        Field(
+            "words",
+            description=(
+                "words: NeMo-RL's score (all assistant replies joined, lower-cased words, "
+                "exact match 1.0, Jaccard times the length ratio); code_tokens: envloop's "
+                "Jaccard of the last reply's code tokens (fenced code if any)"
+            ),
+        ),
     ]
     max_parse_chars: MaxParseChars  # of the response, and of the ground truth
 

@@ -1,4 +1,6 @@
-"""How alike two pieces of code are: Jaccard similarity of their sets of code tokens.
+"""How alike two pieces of code are: Jaccard similarity of their sets of code tokens
+(:func:`code_jaccard`), or of their words as NeMo-RL's environment scores them
+(:func:`word_jaccard`).
 
 **Code** is the content of the text's fenced blocks (```` ```lang ... ``` ````, all of them,
 joined; a fence left open, as in a response cut off at its token budget, runs to the end);
@@ -91,6 +93,29 @@ def jaccard_similarity(a: set[str], b: set[str]) -> float:
     """
     union = a | b
     return len(a & b) / len(union) if union else 0.0
+
+
+def word_jaccard(response: str, reference: str) -> float:
+    """NeMo-RL's ``code_jaccard`` score, in [0, 1]: both texts stripped and lower-cased;
+    1.0 when they are equal; else the Jaccard similarity of their sets of
+    whitespace-separated words times the ratio of their lengths in characters (the shorter
+    over the longer); 0.0 when the reference has no words.
+
+    >>> word_jaccard("Return A + B", "return a + b")
+    1.0
+    >>> word_jaccard("import os\\nprint(os.getcwd())", "def add(a, b):\\n    return a + b")
+    0.0
+    >>> word_jaccard("return a", "return a + b")  # 2 of 4 words, 8 of 12 characters
+    0.3333333333333333
+    """
+    a, b = response.strip().lower(), reference.strip().lower()
+    if a == b:
+        return 1.0
+    words_a, words_b = set(a.split()), set(b.split())
+    if not words_b:
+        return 0.0
+    length_ratio = min(len(a), len(b)) / max(len(a), len(b), 1)
+    return min(1.0, max(0.0, jaccard_similarity(words_a, words_b) * length_ratio))
 
 
 def code_jaccard(response: str, reference: str) -> float:

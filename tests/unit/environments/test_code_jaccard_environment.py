@@ -1,5 +1,6 @@
-"""CodeJaccardEnvironment: exact token-overlap scores, fenced-code extraction, per-sample
-problems, config errors, metrics, the contract checker and a Ray actor."""
+"""CodeJaccardEnvironment: NeMo-RL's word scores by default, envloop's code-token scores as
+an option (fenced-code extraction), per-sample problems, config errors, metrics, the contract
+checker and a Ray actor."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ from envloop.config.env_fields import env_config_fields
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.checker import check_env
-from envloop.environments.code.similarity import code_jaccard, code_tokens, extract_code
+from envloop.environments.code.similarity import (
+    code_jaccard,
+    code_tokens,
+    extract_code,
+    word_jaccard,
+)
 from envloop.environments.code_jaccard_environment import (
     CodeJaccardEnvConfig,
     CodeJaccardEnvironment,
@@ -24,9 +30,13 @@ def _log(response: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": "Write it."}, {"role": "assistant", "content": response}]
 
 
+CODE_TOKENS = CodeJaccardEnvConfig(similarity="code_tokens")
+
+
 @pytest.fixture(scope="module")
 def env():
-    return CodeJaccardEnvironment(CodeJaccardEnvConfig(num_workers=2))
+    """envloop's code-token scoring (most tests below); ``words`` is tested at the end."""
+    return CodeJaccardEnvironment(CodeJaccardEnvConfig(num_workers=2, similarity="code_tokens"))
 
 
 @pytest.mark.parametrize(
@@ -81,7 +91,7 @@ def test_observations_follow_the_threshold(env):
         "Environment: jaccard misaligned (score: 0.50)",  # aligned means above the threshold
         "Environment: jaccard misaligned (score: 0.00)",
     ]
-    lenient = CodeJaccardEnvironment({"alignment_threshold": 0.4})
+    lenient = CodeJaccardEnvironment({**CODE_TOKENS, "alignment_threshold": 0.4})
     assert lenient.step(logs[1:2], truths[1:2]).observations[0]["content"] == (
         "Environment: jaccard aligned (score: 0.50)"
     )
@@ -158,6 +168,9 @@ def test_metrics(env):
         "code_jaccard_env/error_rate": 0.25,
         "code_jaccard_env/num_samples": 4,
         "code_jaccard_env/over_max_parse_chars": 0,
+        "preference_alignment_rate": 0.5,
+        "average_preference_score": 2.25 / 4,
+        "high_alignment_rate": 0.25,
     }
 
 
@@ -199,7 +212,7 @@ def test_megabyte_responses_under_the_default_cap_get_their_exact_score(env):
 
 
 def test_the_cap_counts_the_response_and_the_ground_truth():
-    env = CodeJaccardEnvironment({"max_parse_chars": 12})
+    env = CodeJaccardEnvironment({**CODE_TOKENS, "max_parse_chars": 12})
     at_cap, over = "a + b = c   ", "a + b = c    "  # 12 and 13 characters
     logs = [_log(at_cap), _log(over), _log("a + b")]
     metadata = [{"ground_truth": "a + b"}, {"ground_truth": "a + b"}, {"ground_truth": over}]
@@ -243,6 +256,7 @@ def test_contract_and_config_listing(env):
         ("num_workers", "int", 1),
         ("stop_strings", "list of str or null", None),
         ("alignment_threshold", "float", 0.5),
+        ("similarity", "one of words, code_tokens", "words"),
         ("max_parse_chars", "int", 1_000_000),
     ]
 
@@ -251,10 +265,56 @@ def test_contract_and_config_listing(env):
 def test_as_a_ray_actor(ray_session):
     from envloop.environments.registry import create_env
 
-    actor = create_env("code_jaccard", {"num_workers": 2}, num_cpus=0)
+    actor = create_env("code_jaccard", {"num_workers": 2, **CODE_TOKENS}, num_cpus=0)
     ret = ray_session.get(
         actor.step.remote([_log(FENCED)], [{"ground_truth": "def add(a,b): return a+b"}])
     )
     assert ret.rewards.tolist() == [1.0]
     assert ret.observations[0]["content"] == "Environment: jaccard aligned (score: 1.00)"
     ray_session.kill(actor)
+
+
+# --- similarity: words (NeMo-RL's score, the default) ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("  Return A + B\n", "return a + b", 1.0),  # stripped and lower-cased: equal
+        ("import os\nprint(os.getcwd())", "def add(a, b):\n    return a + b", 0.0),
+        ("return a", "return a + b", 0.5 * 8 / 12),  # 2 of 4 words; 8 of 12 characters
+        ("a + b", "a  +  b", 5 / 7),  # the same words; lengths 5 and 7
+        ("b + a", "a + b", 1.0),  # the same words and length, in another order
+        ("", "a + b", 0.0),
+        ("", "   ", 1.0),  # both empty once stripped: an exact match
+        ("a", "  ", 0.0),  # a reference without words
+        # prose and fences are words: 7 of 13; 31 of 64 characters
+        (FENCED, "def add(a, b):\n    return a + b", 7 / 13 * 31 / 64),
+    ],
+)
+def test_words_score_as_nemo_rl_does(response, truth, score):
+    env = CodeJaccardEnvironment()
+    assert word_jaccard(response, truth) == pytest.approx(score)
+    ret = env.step([_log(response)], [{"ground_truth": truth}], return_extracted_answer=True)
+    assert ret.rewards.tolist() == pytest.approx([score])
+    assert ret.answers == [response.strip()]
+    assert ret.metadata[0].get("jaccard_error") is None
+
+
+def test_words_join_every_assistant_reply_and_keep_the_observation_texts():
+    log = [
+        {"role": "user", "content": "Write it."},
+        {"role": "assistant", "content": "def add(a, b):"},
+        {"role": "user", "content": "Go on."},
+        {"role": "assistant", "content": " return a + b"},
+    ]
+    ret = CodeJaccardEnvironment().step(
+        [log, _log("return a")], [{"ground_truth": "def add(a, b): return a + b"}] * 2
+    )
+    assert ret.rewards.tolist() == pytest.approx([1.0, 2 / 7 * 8 / 27])
+    assert [o["content"] for o in ret.observations] == [
+        "Environment: jaccard aligned (score: 1.00)",
+        "Environment: jaccard misaligned (score: 0.08)",
+    ]
+    missing = CodeJaccardEnvironment().step([_log("a")], [{"id": 3}])
+    assert missing.metadata == [{"id": 3, "jaccard_score": 0.0, "jaccard_error": NO_TRUTH}]
