@@ -121,8 +121,9 @@ def validated(spec: type, config: Any, what: str | None = None) -> dict[str, Any
     spec's name) listing every problem.
 
     >>> from envloop.environments.code.jaccard_config import CodeJaccardEnvConfig
-    >>> validated(CodeJaccardEnvConfig, {"num_workers": 2})
-    {'num_workers': 2, 'stop_strings': None, 'alignment_threshold': 0.5, 'max_parse_chars': 1000000}
+    >>> validated(CodeJaccardEnvConfig, {"num_workers": 2})  # doctest: +NORMALIZE_WHITESPACE
+    {'num_workers': 2, 'stop_strings': None, 'alignment_threshold': 0.5, 'similarity': 'words',
+     'max_parse_chars': 1000000}
     >>> validated(CodeJaccardEnvConfig, {"num_workers": 0, "alignment_treshold": 0.2})
     Traceback (most recent call last):
     ...
