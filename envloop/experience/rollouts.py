@@ -30,6 +30,7 @@ from envloop.experience.env_dispatch import (
     group_by_task,
 )
 from envloop.experience.experience_stream import ExperienceStream
+from envloop.experience.rollout_call import RolloutCall
 from envloop.experience.rollout_metrics import (
     PhaseTimer,
     RolloutProgress,
@@ -125,7 +126,7 @@ def run_multi_turn_rollout(
     return final_rows(input_batch, state), rollout_metrics(state, max_turns_reached, timer)
 
 
-async def run_async_multi_turn_rollout(
+def run_async_multi_turn_rollout(
     policy_generation: GenerationInterface,
     input_batch: BatchedDataDict[Any],
     tokenizer: Any,
@@ -134,22 +135,34 @@ async def run_async_multi_turn_rollout(
     max_rollout_turns: int = 999999,
     greedy: bool = False,
     **options: Any,
-) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
+) -> RolloutCall:
     """:func:`run_multi_turn_rollout` with every sample running its own turn loop: a sample
     generates, steps its environment and goes on the moment its own previous step is done
     (see :mod:`envloop.experience.async_rollouts`). Same arguments, outputs and metrics;
     with greedy decoding and deterministic environments, the same trajectories.
 
+    Called as NeMo-RL's function is, from synchronous code,
+    ``final, metrics = run_async_multi_turn_rollout(...)`` runs the rollout on an event loop
+    of its own and returns when it is done. Inside an event loop, ``final, metrics = await
+    run_async_multi_turn_rollout(...)`` (unpacking it there without ``await`` raises a
+    ``RuntimeError`` that says so); ``asyncio.run(run_async_multi_turn_rollout(...))`` works
+    too (see :class:`~envloop.experience.rollout_call.RolloutCall`).
+
     ``**options`` are those of ``run_multi_turn_rollout`` plus ``max_concurrent_samples``,
     ``coalesce_window_s`` and ``max_coalesced_samples``
-    (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`). To use samples or
-    GRPO groups as they finish, iterate over a :class:`RolloutStream` instead; this
-    function runs one to its end and returns the batch in input order.
+    (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`), checked when the
+    call is made. To use samples or GRPO groups as they finish, iterate over a
+    :class:`RolloutStream` instead; this function runs one to its end and returns the batch
+    in input order.
     """
     stream = RolloutStream(
         policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns,
         greedy, **options,
     )  # fmt: skip
+    return RolloutCall(_run_to_end(stream))
+
+
+async def _run_to_end(stream: RolloutStream) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
     async for _ in stream:
         pass
     return stream.final_batch(), stream.metrics()

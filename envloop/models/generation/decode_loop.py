@@ -310,7 +310,7 @@ def _next_token_logits(
         input_ids=input_ids,
         attention_mask=mask,
         position_ids=positions,
-        **{cache_keyword(type(model)): cache},
+        **{cache_keyword(model.__class__): cache},
         use_cache=True,
         logits_to_keep=1,
         **(vision or {}),
@@ -319,7 +319,7 @@ def _next_token_logits(
 
 
 @functools.cache
-def cache_keyword(model_class: type) -> str:
+def cache_keyword(model_class: Any) -> str:
     """The keyword ``model_class.forward`` takes its KV cache by: ``cache`` since
     transformers renamed it (5.x deprecates ``past_key_values``, to be removed in 5.40),
     ``past_key_values`` in earlier releases and in models that still use it.

@@ -155,7 +155,8 @@ HUB_RULES = (
     "'-' or '.', no '--' or '..')"
 )
 MODEL_FIX = (
-    "an existing model folder, a hub id or bundled:<name> (policy, policy_early, reward_model, vlm_policy)."
+    "an existing model folder, a hub id or bundled:<name> "
+    "(policy, policy_early, reward_model, vlm_policy)."
 )
 
 
