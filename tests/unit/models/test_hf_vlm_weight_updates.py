@@ -15,6 +15,7 @@ from envloop.data.llm_message_utils import (
     get_formatted_message_log,
 )
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.decode_loop import cache_keyword
 from envloop.models.generation.hf_generation import HfGeneration
 from tests.fixtures.images import noise_image
 from tests.fixtures.tiny_vlms import SAVERS
@@ -86,13 +87,14 @@ def continued(old, new, ids: torch.Tensor, cached: int, vision: dict) -> torch.T
     )
     cache = DynamicCache(config=old.config)
     extra = {**vision, "mm_token_type_ids": types[:, :cached]} if vision else {}
+    key = cache_keyword(type(old))  # as the decode loop passes it
     old(
-        input_ids=ids[:, :cached], position_ids=positions[..., :cached], past_key_values=cache,
+        input_ids=ids[:, :cached], position_ids=positions[..., :cached], **{key: cache},
         use_cache=True, **extra,
     )  # fmt: skip
     logits = new(
-        input_ids=ids[:, cached:-1], position_ids=positions[..., cached:-1],
-        past_key_values=cache, use_cache=True,
+        input_ids=ids[:, cached:-1], position_ids=positions[..., cached:-1], **{key: cache},
+        use_cache=True,
     ).logits[0]  # fmt: skip
     return gathered(logits, ids[0, cached + 1 :])
 

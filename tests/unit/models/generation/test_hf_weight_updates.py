@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.decode_loop import cache_keyword
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.tiny import build_tiny_model
 from tests.fixtures.generation import PROMPTS, make_batch
@@ -67,8 +68,9 @@ def continued(old, new, ids: list[int], cached: int) -> torch.Tensor:
     """Logprobs [len(ids) - cached - 1] of ids[cached + 1:] from ``new`` running on top of
     ``old``'s KV cache of ids[:cached]."""
     cache = DynamicCache(config=old.config)
-    old(torch.tensor([ids[:cached]]), past_key_values=cache, use_cache=True)
-    logits = new(torch.tensor([ids[cached:-1]]), past_key_values=cache, use_cache=True).logits
+    key = cache_keyword(type(old))  # as the decode loop passes it
+    old(torch.tensor([ids[:cached]]), **{key: cache}, use_cache=True)
+    logits = new(torch.tensor([ids[cached:-1]]), **{key: cache}, use_cache=True).logits
     logprobs = torch.log_softmax(logits[0].float(), dim=-1)
     return logprobs.gather(-1, torch.tensor(ids[cached + 1 :])[:, None])[:, 0]
 
