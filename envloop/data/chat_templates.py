@@ -69,9 +69,30 @@ def render_chat(
         )
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     extra = {} if tools is None else {"tools": tools}
-    return tokenizer.apply_chat_template(
-        plain, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
-    )
+    try:
+        return tokenizer.apply_chat_template(
+            plain, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+        )
+    except TypeError as exc:
+        if tools is None and _renders_with_tools(tokenizer, plain, add_generation_prompt):
+            raise ValueError(
+                f"The chat template of {type(tokenizer).__name__} cannot render a conversation "
+                f"without tool definitions: it iterates over `tools` without checking that "
+                f"any were given ({exc}). Give the conversation its tools, or use a template "
+                "that guards them ({% if tools %}...{% endif %})."
+            ) from exc
+        raise
+
+
+def _renders_with_tools(tokenizer: Any, messages: list[dict], add_generation_prompt: bool) -> bool:
+    """Whether the template renders ``messages`` once given an empty list of tools."""
+    try:
+        tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=[]
+        )
+    except Exception:
+        return False
+    return True
 
 
 class ObservationRenderer:

@@ -67,6 +67,26 @@ def test_render_chat_without_a_chat_template_says_how_to_fix_it():
         render_chat(tokenizer, PROMPT)
 
 
+def test_a_template_that_needs_tool_definitions_says_so():
+    # Iterates over `tools` unguarded: jinja's bare "'NoneType' object is not iterable"
+    # becomes an error that names the cause, wherever the template renders.
+    tokenizer = build_chatml_tokenizer()
+    tokenizer.chat_template = (
+        "{% for t in tools %}[{{ t.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
+    user = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, user, tools=[{"name": "calc"}]) == "[calc]<user>hi"
+    cause = "cannot render a conversation without tool definitions"
+    with pytest.raises(ValueError, match=f"{cause}.*'NoneType' object is not iterable"):
+        render_chat(tokenizer, user)
+    with pytest.raises(ValueError, match=cause):
+        get_formatted_message_log(user, tokenizer)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content + 1 }}{% endfor %}"
+    with pytest.raises(TypeError):  # any other TypeError is the template's own
+        render_chat(tokenizer, user)
+
+
 def test_render_chat_renders_role_and_content_only(tiny_tokenizer):
     messages = [{"role": "user", "content": "hi", "token_ids": torch.tensor([5]), "x": None}]
     assert render_chat(tiny_tokenizer, messages) == "<|im_start|>user\nhi<|im_end|>\n"
