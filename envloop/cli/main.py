@@ -35,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"envloop {args.command}: {config_error_text(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a run (RunTerminated)
+        terminated = type(exc).__name__ == "RunTerminated"
+        why = exc.args[0] if terminated and exc.args else "interrupted (Ctrl-C)"
+        print(f"\nenvloop {args.command}: {why}", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:  # the reader went away (envloop envs | head): not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (so the exit-time flush is silent)
         return 0
@@ -127,9 +132,11 @@ def _run(args: argparse.Namespace) -> int:
 
     from envloop.run.metrics import summary_table
     from envloop.run.runner import run
+    from envloop.run.termination import sigterm_stops_the_run
 
     hf_logging.disable_progress_bar()  # our own progress is the one to watch
-    result = run(config, quiet=args.quiet, inputs=inputs)
+    with sigterm_stops_the_run():
+        result = run(config, quiet=args.quiet, inputs=inputs)
     print(summary_table(result.stats))
     print(f"run directory: {result.run_dir}")
     build_report = _optional_import("envloop.report.page", "build_report")

@@ -47,6 +47,7 @@ from envloop.run.outputs import RunWriter
 from envloop.run.preflight import RunInputs, prepare_inputs
 from envloop.run.progress import Progress
 from envloop.run.records import PARQUET_ONLY_KEYS, sample_records
+from envloop.run.termination import reclaim_sigterm
 
 Policy = HfGeneration | ServerGeneration
 """The backends a run config can name (``policy.backend``)."""
@@ -142,11 +143,13 @@ def start_ray(ray_config: RayConfig) -> bool:
     from envloop.distributed.ray_utils import init_ray
 
     if ray.is_initialized():
+        reclaim_sigterm()
         return False
     if not (ray_config.address or os.environ.get("RAY_ADDRESS")):
         paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     init_ray(ray_config.address, ray_config.num_cpus, log_to_driver=ray_config.log_to_driver)
+    reclaim_sigterm()  # ray.init installed its own SIGTERM handler
     return True
 
 
