@@ -355,7 +355,7 @@ class ExperienceStream:
         if group.left:
             return
         self._running_groups -= 1
-        rows = slot_rows(group.rows.copy(), self.state, group.slots)
+        rows = slot_rows(group.rows.copy(), self.state, group.slots, own_components=True)
         tokens = int(self.state.gen_tokens.numpy()[group.slots].sum())
         finished = _Finished(group, FinishedGroup.of(self._member_indices(group), rows), tokens)
         self._free.extend(group.slots)

@@ -25,10 +25,16 @@ def final_rows(
 
 
 def slot_rows(
-    input_rows: BatchedDataDict[Any], state: RolloutState, idx: list[int]
+    input_rows: BatchedDataDict[Any],
+    state: RolloutState,
+    idx: list[int],
+    own_components: bool = False,
 ) -> BatchedDataDict[Any]:
     """The final rows of the samples in ``state``'s slots ``idx``, whose input rows are
-    ``input_rows`` (in the same order; the dict is filled in and returned)."""
+    ``input_rows`` (in the same order; the dict is filled in and returned). A reward
+    component column for every component the rollout's samples reported (0 where a sample
+    did not), or with ``own_components`` only for those these samples reported (slots
+    reused for sample after sample: a column never depends on who held the slots before)."""
     final = input_rows
     rows = np.asarray(idx, dtype=np.int64)
 
@@ -48,8 +54,10 @@ def slot_rows(
     final["turn_rewards"] = [state.turn_rewards[i] for i in idx]
     final["env_error"] = [state.errors[i] for i in idx]
     final["generation_error"] = [state.generation_errors[i] for i in idx]
+    reported = set().union(*(state.component_names[i] for i in idx)) if own_components else None
     for name, totals in state.components.items():
-        final[name] = taken(totals)
+        if reported is None or name in reported:
+            final[name] = taken(totals)
     final["reward_components"] = [sorted(state.component_names[i]) for i in idx]
     final["min_policy_version"] = taken(state.min_version)
     final["max_policy_version"] = taken(state.max_version)

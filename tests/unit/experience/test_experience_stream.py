@@ -17,7 +17,7 @@ from envloop.experience.rollouts import (
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import guess_sample, make_batch, scripted_respond
-from tests.fixtures.envs import FailingEnv, GuessNumberEnv
+from tests.fixtures.envs import ComponentRewardEnv, FailingEnv, GuessNumberEnv
 
 SECRETS = [99, 50, 25, 37, 12, 80, 64, 3]
 
@@ -267,6 +267,26 @@ def test_filter_groups_drops_groups_without_reward_signal_and_admits_more_prompt
     metrics = stream.metrics()
     assert (metrics["groups_yielded"], metrics["groups_dropped_uninformative"]) == (2, 3)
     assert metrics["groups_dropped_stale"] == 0
+
+
+def test_a_group_carries_the_reward_components_its_own_members_reported(tiny_tokenizer):
+    # One prompt at a time, alternating a task with reward components and one without:
+    # the slot is reused, and a guessing game's group never inherits the other's columns.
+    parts = {"task": "parts", "prompt": "Say something."}
+    samples = [parts, guess_sample(50), parts, guess_sample(50)]
+    batch = make_batch(tiny_tokenizer, samples)
+    rows = [{key: batch[key][i] for key in batch} for i in range(batch.size)]
+    envs = {"parts": ComponentRewardEnv(), "guess": GuessNumberEnv()}
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(policy, rows, tiny_tokenizer, envs, 512, max_concurrent_samples=1)
+    groups = asyncio.run(collect(stream))
+    assert [g.indices for g in groups] == [[0], [1], [2], [3]]
+    components = {"reward/format", "reward/length"}
+    for group in groups:
+        own = components if group.batch["task_name"] == ["parts"] else set()
+        assert components & set(group.batch) == own
+        assert group.batch["reward_components"] == [sorted(own)]
+    assert groups[0].batch["reward/format"].tolist() == [0.25]
 
 
 def test_arguments_are_checked_together(tiny_tokenizer):
