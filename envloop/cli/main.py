@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from envloop.config.errors import ConfigError
+from envloop.run.termination import RunTerminated
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,11 +36,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"envloop {args.command}: {config_error_text(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a run (RunTerminated)
-        terminated = type(exc).__name__ == "RunTerminated"
-        why = exc.args[0] if terminated and exc.args else "interrupted (Ctrl-C)"
-        print(f"\nenvloop {args.command}: {why}", file=sys.stderr)
-        return 143 if terminated else 130
+    except RunTerminated as exc:  # SIGTERM during a run
+        print(f"\nenvloop {args.command}: {exc}", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print(f"\nenvloop {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (envloop envs | head): not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (so the exit-time flush is silent)
         return 0
