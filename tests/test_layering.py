@@ -20,6 +20,7 @@ RANKS = {
     "experience": 6,  # the rollout engine
     "demo": 7,  # the demo's tasks (application: data for the bundled models)
     "integrations": 7,  # adapters for other trainers (TRL), an optional extra
+    "agents": 7,  # OpenAI-compatible endpoint and rollouts over agent programs, an extra
     "run": 7,  # the envloop run application
     "report": 8,  # the HTML report and reverify, built from run directories
     "cli": 9,  # the envloop command
