@@ -33,15 +33,14 @@ engine then records it on each of them, as for any ``step`` that raises).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import numbers
 import threading
 import traceback
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 
@@ -49,6 +48,7 @@ from envloop.data.content_parts import is_message_content
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.daemon_threads import DaemonThreadPool
+from envloop.distributed.loop_thread import LoopThread
 from envloop.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
@@ -58,7 +58,6 @@ from envloop.environments.interfaces import (
 
 __all__ = ["SampleEnvironment", "SampleStep"]
 
-T = TypeVar("T")
 
 _MISSING = (
     "{name} implements neither step_sample nor astep_sample; a SampleEnvironment "
@@ -416,42 +415,8 @@ def _checked_limit(env: Any) -> int | None:
     return limit
 
 
-class _LoopThread:
-    """An event loop running in a daemon thread of its own, for sync callers of coroutines."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._serve, name="envloop-sample-loop", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            self.loop.close()
-
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and wait for its result (from any other thread)."""
-        return self.submit(coro).result()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
-        """Start ``coro`` on the loop (from any other thread); its future."""
-        if threading.current_thread() is self.thread:
-            coro.close()
-            raise RuntimeError("step() was called from inside astep_sample(); await instead.")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self, wait: bool = False) -> None:
-        """Stop the loop; its thread ends (and closes it) once the running callbacks return.
-        ``wait``: join the thread too (unless called from it)."""
-        with contextlib.suppress(RuntimeError):  # already closed
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        if wait and threading.current_thread() is not self.thread:
-            self.thread.join()
-
-
 _LOOP_LOCK = threading.Lock()
+_REENTRY = "step() was called from inside astep_sample(); await instead."
 
 
 def _threads_of(env: SampleEnvironment[Any], limit: int) -> DaemonThreadPool:
@@ -464,12 +429,12 @@ def _threads_of(env: SampleEnvironment[Any], limit: int) -> DaemonThreadPool:
         return threads
 
 
-def _loop_of(env: SampleEnvironment[Any]) -> _LoopThread:
+def _loop_of(env: SampleEnvironment[Any]) -> LoopThread:
     """``env``'s event loop thread, started on first use and stopped when ``env`` is
     garbage-collected (or on ``shutdown``)."""
     with _LOOP_LOCK:
         runner = env.__dict__.get("_sample_loop")
         if runner is None:
-            runner = env.__dict__["_sample_loop"] = _LoopThread()
+            runner = env.__dict__["_sample_loop"] = LoopThread("envloop-sample-loop", _REENTRY)
             weakref.finalize(env, runner.close)
         return runner

@@ -20,15 +20,15 @@ generated token is labelled with the policy version whose weights produced it.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import threading
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any
 
 from envloop.data.multimodal_utils import PackedTensor
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.loop_thread import LoopThread
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.decode_loop import SampleResult
 from envloop.models.generation.generation_batches import (
@@ -62,7 +62,6 @@ from envloop.models.generation.server_weights import WeightUpdateFailed
 
 __all__ = ["ServerGeneration", "ServerGenerationConfig", "WeightUpdateFailed"]
 
-T = TypeVar("T")
 _SEED_STRIDE = 1_000_003
 
 
@@ -129,7 +128,7 @@ class ServerGeneration(GenerationInterface):
         self.vocab_size = len(self.tokenizer)
         self._requests_made = 0
         self._updating = threading.Lock()
-        self._loop = _LoopThread()
+        self._loop = LoopThread("envloop-server-client")
         self.model = config.model
         self._client = ServerClient(config, make_dialect(config.dialect), self.vocab_size)
         if isinstance(self._client.dialect, LlamaCppDialect):
@@ -211,7 +210,7 @@ class ServerGeneration(GenerationInterface):
         afterwards."""
         if self._loop.running:
             self._loop.run(self._client.close())
-            self._loop.stop()
+            self._loop.close(wait=True)
         return True
 
     def _prepare(
@@ -371,32 +370,6 @@ class ServerGeneration(GenerationInterface):
                 f"{config.tokenizer!r} ({self.vocab_size} tokens): set tokenizer to the "
                 "served model's."
             )
-
-
-class _LoopThread:
-    """An event loop running forever on a daemon thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self.loop.run_forever, name="envloop-server-client", daemon=True
-        )
-        self._thread.start()
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, call: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(call, self.loop)
-
-    def run(self, call: Coroutine[Any, Any, T]) -> T:
-        return self.submit(call).result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
 
 
 def _pad_id(tokenizer: Any) -> int:
