@@ -35,7 +35,7 @@ from envloop.environments.games.sliding_puzzle_board import play, solved_board
 from envloop.environments.math.checks import has_one_boxed_answer, has_think_answer_format
 from envloop.environments.math.dapo_answers import grade_dapo
 from envloop.environments.math.multichoice_answers import extract_choice
-from envloop.environments.vlm.reward_functions import bbox_giou, parse_box
+from envloop.environments.rewards import bbox_giou, parse_box
 
 PROSE = "Let me think step by step: 3 apples and 4 pears make 7 fruits in total. "
 CODE = "def area(w, h):\n    return w * h  # the 'area' of a box\n"

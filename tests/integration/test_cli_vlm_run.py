@@ -16,7 +16,7 @@ from PIL import Image
 
 from envloop.cli.main import main
 from envloop.environments.registry import register_env
-from envloop.environments.vlm.reward_functions import bbox_giou, exact_alnum, format_reward
+from envloop.environments.rewards import bbox_giou, exact_alnum, format_reward
 from envloop.models.processors import load_processor
 from envloop.models.tiny_vlm import save_tiny_vlm
 from envloop.run.outputs import read_rollouts

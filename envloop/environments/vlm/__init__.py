@@ -1,4 +1,4 @@
-"""The ``vlm`` environment's helpers: its config and the reward functions
-:mod:`envloop.environments.rewards` combines (the environment is in
-:mod:`envloop.environments.vlm_environment`).
+"""The ``vlm`` environment's config (the environment is in
+:mod:`envloop.environments.vlm_environment`, its reward functions in
+:mod:`envloop.environments.rewards`).
 """

@@ -35,7 +35,7 @@ from envloop.environments.math.dapo_answers import (
     normalize_final_answer,
 )
 from envloop.environments.math.multichoice_answers import extract_choice
-from envloop.environments.vlm.reward_functions import bbox_giou, format_reward, parse_box
+from envloop.environments.rewards import bbox_giou, format_reward, parse_box
 
 MB = 1_000_000
 BOXES = "\\boxed{" * 150_000  # 1 MB, none closed

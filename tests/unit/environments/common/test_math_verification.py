@@ -23,7 +23,7 @@ from envloop.environments.common.math_verification import (
     timed_out,
     warm_up,
 )
-from envloop.environments.vlm.reward_functions import close_math_verifiers, math_expr
+from envloop.environments.rewards import close_math_verifiers, math_expr
 
 MATRIX = r"\begin{pmatrix}1&2\\3&4\end{pmatrix}"
 
