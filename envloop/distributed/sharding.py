@@ -22,7 +22,7 @@ from typing import Literal, TypedDict
 
 from typing_extensions import NotRequired
 
-from envloop.data.packing import get_packer
+from envloop.distributed.bin_packing import pack_sequences
 
 
 class BatchSplitError(ValueError, AssertionError):
@@ -56,7 +56,7 @@ class SequencePackingArgs(TypedDict):
         max_tokens_per_microbatch: a bin's total (padded) length stays within this.
         input_key: the [B, L] column of token ids.
         input_lengths_key: the [B] column of per-row lengths.
-        algorithm: a packing algorithm name (see ``envloop.data.packing``).
+        algorithm: a packing algorithm name (see ``envloop.distributed.bin_packing``).
         sequence_length_pad_multiple: each length is rounded up to a multiple of this
             before packing (e.g. for context/tensor parallel alignment); default 1.
         microbatch_order: ``"packer"`` (default) runs a shard's bins in the order the packer
@@ -199,15 +199,19 @@ def packing_plan(
     capacity = args["max_tokens_per_microbatch"]
     padded = [-(-int(n) // multiple) * multiple for n in lengths]
     _check_fits(padded, capacity, "Row", "sequence_length_pad_multiple")
-    packer = get_packer(
-        args["algorithm"], capacity, min_bin_count=shards, bin_count_multiple=shards
-    )
     rows: list[list[int]] = [[] for _ in range(shards)]
     bounds: list[list[list[list[int]]]] = [[] for _ in range(shards)]
     totals: list[list[list[int]]] = [[] for _ in range(shards)]
     counts: list[list[int]] = [[] for _ in range(shards)]
     for start in range(0, len(padded), chunk or 1):
-        bins = [[start + i for i in b] for b in packer.pack(padded[start : start + chunk])]
+        packed = pack_sequences(
+            padded[start : start + chunk],
+            capacity,
+            args["algorithm"],
+            min_bin_count=shards,
+            bin_count_multiple=shards,
+        )
+        bins = [[start + i for i in b] for b in packed]
         for s in range(shards):
             shard_bins = _ordered_bins(bins[s::shards], padded, order == "largest_first")
             rows[s].extend(i for b in shard_bins for i in b)

@@ -39,7 +39,8 @@ import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import EnvDispatcher, GroupResult, check_tasks_have_envs
-from envloop.experience.rollout_metrics import PhaseTimer, rollout_metrics, rollout_progress
+from envloop.experience.phase_timer import PhaseTimer
+from envloop.experience.rollout_metrics import rollout_metrics, rollout_progress
 from envloop.experience.rollout_options import AsyncRolloutOptions
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (

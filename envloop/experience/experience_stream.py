@@ -33,7 +33,7 @@ from envloop.algorithms.grpo import filter_informative_groups
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, SampleEngine
 from envloop.experience.env_dispatch import check_tasks_have_envs
-from envloop.experience.rollout_metrics import TIMING_PHASES, PhaseTimer
+from envloop.experience.phase_timer import TIMING_PHASES, PhaseTimer
 from envloop.experience.rollout_options import AsyncRolloutOptions
 from envloop.experience.rollout_results import slot_rows
 from envloop.experience.rollout_state import RolloutState, check_limits

@@ -7,7 +7,7 @@ import itertools
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,6 +18,7 @@ from envloop.data.multimodal_utils import text_tokenizer
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import GroupResult
 from envloop.experience.observation_tokens import tokenize_observations
+from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.sample_vision import SampleVision
 from envloop.experience.token_buffer import TokenBuffer
 from envloop.experience.turn_steps import (
@@ -31,9 +32,6 @@ from envloop.experience.turn_steps import (
     split_response_rows,
     split_responses,
 )
-
-if TYPE_CHECKING:  # rollout_metrics reads RolloutState: no import at run time
-    from envloop.experience.rollout_metrics import PhaseTimer
 
 
 @dataclass

@@ -30,13 +30,9 @@ from envloop.experience.env_dispatch import (
     group_by_task,
 )
 from envloop.experience.experience_stream import ExperienceStream
+from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.rollout_call import RolloutCall
-from envloop.experience.rollout_metrics import (
-    PhaseTimer,
-    RolloutProgress,
-    rollout_metrics,
-    rollout_progress,
-)
+from envloop.experience.rollout_metrics import RolloutProgress, rollout_metrics, rollout_progress
 from envloop.experience.rollout_options import RolloutOptions
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (

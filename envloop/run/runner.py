@@ -25,7 +25,7 @@ from typing import IO, Any
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import RolloutStream
-from envloop.experience.rollout_metrics import PhaseTimer
+from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.rollouts import run_multi_turn_rollout
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.generation.server_generation import ServerGeneration

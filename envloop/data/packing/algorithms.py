@@ -1,4 +1,5 @@
-"""Packer objects over the functions of ``bin_packing``, with the published class names.
+"""Packer objects over the functions of ``envloop.distributed.bin_packing``, with the published
+class names.
 
 ``get_packer(algorithm, bin_capacity, min_bin_count=None, bin_count_multiple=None)`` returns
 a ``SequencePacker`` whose ``pack(lengths)`` gives the bins (lists of indices into
@@ -16,7 +17,7 @@ import enum
 import random
 from collections.abc import Sequence
 
-from envloop.data.packing.bin_packing import (
+from envloop.distributed.bin_packing import (
     Bins,
     adjust_bin_count,
     algorithm_by_name,
