@@ -137,8 +137,8 @@ def markdown_text(docstring: str) -> str:
     """A field's docstring as one line of Markdown: ``x`` becomes `x`, a Sphinx role
     ``:class:`~a.b.C``` becomes `C`.
 
-    >>> markdown_text("Uses ``model_name``;\\n see :class:`~envloop.models.Thing`.")
-    'Uses `model_name`; see `Thing`.'
+    >>> markdown_text("Uses ``model_name``;\\n see :class:`~envloop.run.config.RunConfig`.")
+    'Uses `model_name`; see `RunConfig`.'
     """
     text = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"`\1`", docstring)
     text = re.sub(r":\w+:`([^`]+)`", r"`\1`", text)

@@ -1,4 +1,4 @@
-"""Flatten, pad, mask and chat-template message logs (docs/contract.md §4)."""
+"""Flatten, pad, mask and chat-template message logs (docs/contract.md, "Message utilities")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The async engine: every sample runs its own turn loop (docs/contract.md §7), built from
-the same steps as the sync engine.
+"""The async engine: every sample runs its own turn loop (docs/contract.md, "Rollout
+semantics"), built from the same steps as the sync engine.
 
 A sample generates, steps its environment, takes its observation and generates again the
 moment its own previous step is done; nothing waits for the slowest sample of a batch.
@@ -310,9 +310,9 @@ class SampleEngine:
             self.on_error(task.exception())  # type: ignore[arg-type]
 
     async def _generate(self, samples: list[int]) -> None:
-        """Generate for ``samples`` (docs/contract.md §7 steps 1-2). A backend that streams
-        hands each row on as it finishes, to be appended with the others that come back
-        with it."""
+        """Generate for ``samples`` (steps 1-2 of docs/contract.md, "Rollout semantics"). A
+        backend that streams hands each row on as it finishes, to be appended with the
+        others that come back with it."""
         state, active = self.state, torch.tensor(samples, dtype=torch.long)
         with self.timer.phase("flatten"):
             gen_input = build_generation_input(state, active)
@@ -357,10 +357,10 @@ class SampleEngine:
         return self.env_stages[task]
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
-        """Step one task's environment on ``samples`` (docs/contract.md §7 steps 3-6), then
-        send each on to its next turn or out: when the environment streams results
-        (``step_stream``), with the other results that come back one after another; else
-        when the call returns."""
+        """Step one task's environment on ``samples`` (steps 3-6 of docs/contract.md,
+        "Rollout semantics"), then send each on to its next turn or out: when the
+        environment streams results (``step_stream``), with the other results that come back
+        one after another; else when the call returns."""
         state, task = self.state, self.state.task_names[samples[0]]
         eos = dict(zip(samples, ended_with_eos))
         loop = self.loop

@@ -1,5 +1,5 @@
-"""Rollout metrics (docs/contract.md §7) and the progress snapshot a running rollout reports
-after every turn, both read from a RolloutState and its PhaseTimer."""
+"""Rollout metrics (docs/contract.md, "Rollout semantics") and the progress snapshot a
+running rollout reports after every turn, both read from a RolloutState and its PhaseTimer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The per-sample state of a batched rollout, and the steps of docs/contract.md §7 that
-update it."""
+"""The per-sample state of a batched rollout, and the steps of the turn loop
+(docs/contract.md, "Rollout semantics") that update it."""
 
 from __future__ import annotations
 

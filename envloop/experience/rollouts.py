@@ -1,7 +1,8 @@
 """The rollout engine: a policy against environments for one or many turns
-(docs/contract.md §7, §8).
+(docs/contract.md, "Rollout semantics" and "Failures are data").
 
-``run_multi_turn_rollout`` runs each turn as the numbered steps of docs/contract.md §7:
+``run_multi_turn_rollout`` runs each turn as the numbered steps of docs/contract.md,
+"Rollout semantics":
 
 1. flatten the active samples' tokens (:func:`build_generation_input`) and generate;
 2. append each response to its log (:func:`append_responses`);

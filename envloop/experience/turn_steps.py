@@ -1,7 +1,8 @@
 """Per-sample pieces of a turn, shared by the batched and the asynchronous engines.
 
-Each function handles one concern of docs/contract.md §7 for one sample (or for one turn's
-worth of responses split into per-sample pieces), so that any engine can compose them.
+Each function handles one concern of the turn loop (docs/contract.md, "Rollout semantics")
+for one sample (or for one turn's worth of responses split into per-sample pieces), so that
+any engine can compose them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Message utilities (docs/contract.md §4): flatten, pad, mask and chat-template message logs."""
+"""Message utilities (docs/contract.md, "Message utilities"): flatten, pad, mask and
+chat-template message logs."""
 
 from __future__ import annotations
 

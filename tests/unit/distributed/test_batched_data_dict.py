@@ -1,4 +1,5 @@
-"""BatchedDataDict (docs/contract.md §3): row selection, repetition, sharding and concatenation."""
+"""BatchedDataDict (docs/contract.md, "BatchedDataDict"): row selection, repetition,
+sharding and concatenation."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""RolloutState and the steps of docs/contract.md §7 that update it, on a scripted policy
-and in-process toy environments."""
+"""RolloutState and the turn-loop steps (docs/contract.md, "Rollout semantics") that update
+it, on a scripted policy and in-process toy environments."""
 
 from __future__ import annotations
 
