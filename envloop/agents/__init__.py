@@ -21,6 +21,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - depends on the instal
         "pip install 'envloop[agents]'.",
         name=error.name,
     ) from error
+from envloop.agents.rollout import run_agent_rollouts
 from envloop.agents.sessions import Segment, Session
 from envloop.agents.tool_calls import TOOL_CALL_FORMATS, ToolCall, tool_call_parser
 
@@ -30,5 +31,6 @@ __all__ = [
     "Segment",
     "Session",
     "ToolCall",
+    "run_agent_rollouts",
     "tool_call_parser",
 ]

@@ -34,6 +34,7 @@ from envloop.agents.completions import (
 from envloop.agents.openai_errors import OpenAIError
 from envloop.agents.sampling import sample_response
 from envloop.agents.sessions import Session
+from envloop.experience.rollout_metrics import PhaseTimer
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["ChatService", "build_app"]
@@ -51,6 +52,8 @@ class ChatService:
     max_seq_len: int | None = None
     sessions: dict[str, Session] = field(default_factory=dict)
     sampling: BackendSampling = field(default_factory=BackendSampling)
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    """Times ``generation`` (a rollout over agents sets its own)."""
 
     def session(self, session_id: str | None) -> Session:
         """The session named ``session_id``; None: a fresh one that is not kept."""
@@ -70,10 +73,11 @@ class ChatService:
         async with session.lock:
             plan = session.plan(self.tokenizer, request.messages, request.tools)
             budget = self._budget(len(plan.prompt_ids), request.max_tokens)
-            sampled = await sample_response(
-                self.policy, self.tokenizer, plan.prompt_ids, budget, request.stop,
-                request.greedy, session.id,
-            )  # fmt: skip
+            with self.timer.phase("generation"):
+                sampled = await sample_response(
+                    self.policy, self.tokenizer, plan.prompt_ids, budget, request.stop,
+                    request.greedy, session.id,
+                )  # fmt: skip
             if sampled.error is not None:
                 raise OpenAIError(
                     f"The policy could not generate a response: {sampled.error}",

@@ -47,6 +47,7 @@ class Segment:
         ended_with_eos: whether the last sampled turn ended with EOS.
         sampled_turns: responses sampled in this segment.
         sampled_tokens: tokens sampled in this segment.
+        prompt_tokens: tokens of the segment's first prompt.
     """
 
     index: int
@@ -58,6 +59,7 @@ class Segment:
     ended_with_eos: bool = False
     sampled_turns: int = 0
     sampled_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -126,6 +128,7 @@ class Session:
         segment = plan.segment
         if segment is None:
             segment = Segment(len(self.segments), plan.reason, tools=plan.tools)
+            segment.prompt_tokens = len(plan.prompt_ids)
             self.segments.append(segment)
         for message, ids in plan.context:
             segment.message_log.append(
