@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test demo lint format bench clean llama-server
+.PHONY: venv test demo lint format bench docs docs-serve clean llama-server
 
 venv: $(STAMP)
 
@@ -13,11 +13,11 @@ venv: $(STAMP)
 LOG := $(VENV)/install.log
 
 $(STAMP): pyproject.toml constraints-cpu.txt
-	@echo "installing CPU-only torch and envloop (editable, with dev tools) into $(VENV) (log: $(LOG))"
+	@echo "installing CPU-only torch and envloop (editable, with its extras) into $(VENV) (log: $(LOG))"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@{ $(BIN)/pip install --upgrade pip \
 	  && $(BIN)/pip install -c constraints-cpu.txt torch \
-	  && $(BIN)/pip install -c constraints-cpu.txt -e '.[dev,trl]'; } > $(LOG) 2>&1 \
+	  && $(BIN)/pip install -c constraints-cpu.txt -e '.[dev,trl,docs,agents]'; } > $(LOG) 2>&1 \
 	  || { tail -n 40 $(LOG); echo "install failed; the whole log is $(LOG)"; exit 1; }
 	@touch $(STAMP)
 
@@ -51,5 +51,13 @@ format: $(STAMP)
 bench: $(STAMP)
 	RAY_AUTH_MODE=disabled $(BIN)/python benchmarks/rollout_overhead.py
 
+# The documentation site (mkdocs.yml, pages under docs/): --strict fails on a broken link,
+# anchor or API reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) site .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -1,8 +1,10 @@
-"""The README's Python blocks run as written: every ```python block, in order, as one script
-(as a user pasting them into one file would), with the bundled policy and a real Ray actor.
+"""The README's Python blocks run as written, as every page's of the documentation do
+(tests/test_docs.py): every ```python block, in order, as one script (as a user pasting them
+into one file would), with the bundled policy.
 
-A block preceded by a ``<!-- not run: REASON -->`` line is skipped; the README says which
-ones, and this test keeps that list exactly as the README has it.
+A block preceded by a ``<!-- not run: REASON -->`` line is compiled but not run; a page whose
+first lines hold ``<!-- python: continues PAGE -->`` starts from the names PAGE's blocks
+defined.
 """
 
 from __future__ import annotations
@@ -13,15 +15,37 @@ from pathlib import Path
 
 import pytest
 
-from envloop.environments.registry import ENV_REGISTRY
-
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 BLOCK = re.compile(r"(<!-- not run: (?P<reason>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
+CONTINUES = re.compile(r"^<!-- python: continues (?P<page>\S+) -->$", re.M)
 
 
 def python_blocks(text: str) -> list[tuple[str | None, str]]:
     """``(reason to skip or None, code)`` for each ```python block of ``text``, in order."""
     return [(m["reason"], m["code"]) for m in BLOCK.finditer(text)]
+
+
+def continued_page(text: str) -> str | None:
+    """The page (relative to docs/) whose namespace a page's blocks continue, or None.
+
+    >>> continued_page("<!-- python: continues getting-started.md -->")
+    'getting-started.md'
+    >>> continued_page("# Alone") is None
+    True
+    """
+    match = CONTINUES.search(text)
+    return match["page"] if match else None
+
+
+def run_blocks(path: Path, namespace: dict) -> dict:
+    """Run ``path``'s blocks in order in ``namespace`` (skipped ones only compiled); returns
+    it."""
+    for reason, code in python_blocks(path.read_text(encoding="utf-8")):
+        compiled = compile(code, str(path), "exec")  # a skipped block still compiles
+        if reason is None:
+            exec(compiled, namespace)
+    return namespace
 
 
 def test_python_blocks_are_found_with_their_skip_reasons():
@@ -30,28 +54,12 @@ def test_python_blocks_are_found_with_their_skip_reasons():
 
 
 @pytest.mark.slow
-@pytest.mark.ray
-def test_readme_python_blocks_run_as_written(ray_session, capsys):
+def test_readme_python_blocks_run_as_written(capsys):
     blocks = python_blocks(README.read_text(encoding="utf-8"))
-    server = "needs a server listening on 127.0.0.1:8000"
-    assert [reason for reason, _ in blocks] == [None, None, None, None, server, None]
-    namespace: dict = {"__name__": "__main__"}  # as `python script.py` runs it
-    try:
-        for reason, code in blocks:
-            compiled = compile(code, str(README), "exec")  # a skipped block still compiles
-            if reason is None:
-                exec(compiled, namespace)
-                assert_rollout_as_the_readme_says(namespace["final"], namespace["metrics"])
-    finally:
-        ENV_REGISTRY.pop("echo", None)
-    # The sync rollout in process and on a Ray actor, the async one, then its groups as they
-    # finish: the prompt answered in one turn first; then the vision-language rollout; then
-    # the training loop over an ExperienceStream (two groups, one weight update after each).
-    assert capsys.readouterr().out.splitlines()[-8:] == [
-        *["[1.0, 1.0] 1.5"] * 3, "[0, 1] [1.0, 1.0]", "[2, 3] [1.0, 1.0]",
-        "['user', 'assistant', 'user', 'assistant', 'user']",
-        "[[[1, 6, 4]], [[1, 4, 4]], [[1, 4, 4]]]", "2 2",
-    ]  # fmt: skip
+    assert [reason for reason, _ in blocks] == [None]
+    namespace = run_blocks(README, {"__name__": "__main__"})  # as `python script.py` runs it
+    assert_rollout_as_the_readme_says(namespace["final"], namespace["metrics"])
+    assert capsys.readouterr().out.splitlines()[-1:] == ["[1.0, 1.0] 1.5"]
 
 
 def assert_rollout_as_the_readme_says(final, metrics):
@@ -83,9 +91,9 @@ def github_anchor(heading: str) -> str:
 
 
 def test_links_to_the_contract_reach_its_sections():
-    contract = README.parent / "docs" / "contract.md"
+    contract = ROOT / "docs" / "contract.md"
     anchors = {github_anchor(h) for h in re.findall(r"^#+ (.+)$", contract.read_text(), re.M)}
-    sources = [README, *sorted((README.parent / "envloop").rglob("*.py"))]
+    sources = [README, *sorted((ROOT / "envloop").rglob("*.py"))]
     links = [
         (path.name, anchor)
         for path in sources

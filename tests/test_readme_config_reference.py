@@ -1,5 +1,5 @@
-"""The README's config reference and rollout options tables are generated from the config
-classes, so they cannot drift from the declarations."""
+"""The documentation's config reference and rollout options tables are generated from the
+config classes, so they cannot drift from the declarations."""
 
 from __future__ import annotations
 
@@ -12,10 +12,15 @@ from envloop.config.declarations import options_table
 from envloop.experience.rollout_options import RolloutOptions
 from envloop.run.config import config_reference_table
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 TABLES = {
-    "config-reference": ("envloop.run.config.config_reference_table()", config_reference_table),
+    "config-reference": (
+        "config-reference.md",
+        "envloop.run.config.config_reference_table()",
+        config_reference_table,
+    ),
     "rollout-options": (
+        "rollout-semantics.md",
         "envloop.config.declarations.options_table(RolloutOptions)",
         lambda: options_table(RolloutOptions),
     ),
@@ -23,11 +28,11 @@ TABLES = {
 
 
 @pytest.mark.parametrize("marker", sorted(TABLES))
-def test_readme_table_is_in_sync(marker):
-    source, generate = TABLES[marker]
-    text = README.read_text()
+def test_docs_table_is_in_sync(marker):
+    page, source, generate = TABLES[marker]
+    text = (DOCS / page).read_text(encoding="utf-8")
     match = re.search(rf"<!-- {marker}:start -->\n(.*?)\n<!-- {marker}:end -->", text, re.S)
-    assert match, f"README.md lost its {marker} markers"
+    assert match, f"docs/{page} lost its {marker} markers"
     assert match.group(1).strip() == generate().strip(), (
-        f"README {marker} table is stale; regenerate it from {source}"
+        f"docs/{page}: the {marker} table is stale; regenerate it from {source}"
     )
