@@ -148,27 +148,28 @@ def get_config_check(name: str) -> ConfigCheck | None:
     return check
 
 
-def create_env(name: str, config: Any = None, **ray_options: Any) -> Any:
-    """Start environment ``name`` as a Ray actor and return its handle.
+def create_env(env_name: str, env_config: Any = None, **ray_options: Any) -> Any:
+    """Start the environment registered as ``env_name`` as a Ray actor and return its handle
+    (NeMo-RL's parameter names, so keyword calls port too).
 
-    ``config`` goes to the environment's constructor; ``ray_options`` (``num_cpus``,
-    ``num_gpus``, ``max_restarts``, ``runtime_env``, ...) go to ``ActorClass.options``,
-    on top of the environment's own ``actor_options(config)`` (e.g. a reward model's
-    ``resources``) and :data:`DEFAULT_ACTOR_OPTIONS`. Ray must be initialized (see
-    :func:`envloop.distributed.ray_utils.init_ray`).
+    ``env_config`` goes to the environment's constructor; ``ray_options`` (``num_cpus``,
+    ``num_gpus``, ``max_restarts``, ``runtime_env``, ``name``, ...) go to
+    ``ActorClass.options``, on top of the environment's own ``actor_options(env_config)``
+    (e.g. a reward model's ``resources``) and :data:`DEFAULT_ACTOR_OPTIONS`. Ray must be
+    initialized (see :func:`envloop.distributed.ray_utils.init_ray`).
     """
     import ray
 
     from envloop.environments.interfaces import actor_class
 
-    cls = get_env_class(name)
+    cls = get_env_class(env_name)
     if not ray.is_initialized():
         raise RuntimeError(
-            f"create_env({name!r}) needs a running Ray session; call "
+            f"create_env({env_name!r}) needs a running Ray session; call "
             "envloop.distributed.ray_utils.init_ray() first."
         )
-    actor_cls = actor_class(cls, **{**cls.actor_options(config), **ray_options})
-    return actor_cls.remote(config) if config is not None else actor_cls.remote()
+    actor_cls = actor_class(cls, **{**cls.actor_options(env_config), **ray_options})
+    return actor_cls.remote(env_config) if env_config is not None else actor_cls.remote()
 
 
 def unknown_name_message(kind: str, name: str, known: list[str]) -> str:

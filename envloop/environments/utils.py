@@ -2,8 +2,8 @@
 ported by renaming the package.
 
 The registry is :mod:`envloop.environments.registry`'s (one registry, re-exported here):
-:data:`ENV_REGISTRY`, :class:`EnvRegistryEntry`, :func:`register_env`. :func:`create_env`
-takes NeMo-RL's ``(env_name, env_config)``. Left out, as they have no envloop counterpart:
+:data:`ENV_REGISTRY`, :class:`EnvRegistryEntry`, :func:`register_env`, :func:`create_env`
+(NeMo-RL's ``(env_name, env_config)``). Left out, as they have no envloop counterpart:
 the per-actor Python executables and virtualenvs NeMo-RL sets up in ``create_env``
 (``ray_actor_environment_registry``, ``create_local_venv_on_each_node``): envloop actors run
 on the driver's interpreter, with its environment variables, unless ``runtime_env`` says
@@ -17,8 +17,12 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from pydantic import Field
 
-from envloop.environments.registry import ENV_REGISTRY, EnvRegistryEntry, register_env
-from envloop.environments.registry import create_env as _create_registered_env
+from envloop.environments.registry import (
+    ENV_REGISTRY,
+    EnvRegistryEntry,
+    create_env,
+    register_env,
+)
 
 if TYPE_CHECKING:  # not at run time: the environments' config modules import this one
     # and must not import torch (``envloop run`` checks configs before starting Ray)
@@ -57,12 +61,6 @@ MaxParseChars = Annotated[
     ),
 ]
 """The ``max_parse_chars`` option, declared once for every built-in environment's config."""
-
-
-def create_env(env_name: str, env_config: Any, **ray_options: Any) -> Any:
-    """Start the environment registered as ``env_name`` as a Ray actor with ``env_config``
-    and return its handle (see :func:`envloop.environments.registry.create_env`)."""
-    return _create_registered_env(env_name, env_config, **ray_options)
 
 
 def chunk_list_to_workers(to_chunk: list[T], num_workers: int) -> list[list[T]]:

@@ -13,6 +13,7 @@ def test_utils_names_are_the_registry_itself():
     assert utils.ENV_REGISTRY is registry.ENV_REGISTRY
     assert utils.register_env is registry.register_env
     assert utils.EnvRegistryEntry is registry.EnvRegistryEntry
+    assert utils.create_env is registry.create_env
 
 
 def test_register_env_through_utils_is_seen_by_the_registry():
@@ -66,11 +67,16 @@ def test_last_assistant_text():
 
 
 @pytest.mark.ray
-def test_create_env_takes_nemo_positional_arguments(ray_session):
+def test_create_env_takes_nemo_arguments_by_position_or_keyword(ray_session):
     env = utils.create_env("code_jaccard", {"num_workers": 2})
     log = [{"role": "assistant", "content": "return a + b"}]
     ret = ray_session.get(env.step.remote([log], [{"ground_truth": "x = a + b"}]))
     assert ret.rewards.tolist() == [0.375]  # NeMo-RL's score: 3 of 6 words, 9 of 12 characters
     ray_session.kill(env)
+    named = utils.create_env(
+        env_name="code_jaccard", env_config={"num_workers": 1}, name="utils_named_env"
+    )
+    assert ray_session.get_actor("utils_named_env")._actor_id == named._actor_id
+    ray_session.kill(named)
     with pytest.raises(ValueError, match="No environment named 'code_jacard'.*'code_jaccard'"):
         utils.create_env("code_jacard", {})
