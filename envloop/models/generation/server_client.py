@@ -17,7 +17,6 @@ row's tokens carry the policy version served when their attempt was sent.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
 from collections.abc import Callable
@@ -29,10 +28,11 @@ from envloop.models.generation.decode_loop import SampleResult
 from envloop.models.generation.server_config import ServerGenerationConfig
 from envloop.models.generation.server_dialects import (
     ControlRequest,
+    GenerationFailed,
     GenerationRequest,
-    LlamaCppDialect,
     MalformedReply,
     Reply,
+    RetryableFailure,
     Sampling,
     ServerDialect,
     WeightReload,
@@ -40,18 +40,9 @@ from envloop.models.generation.server_dialects import (
 from envloop.models.generation.server_routing import ServerRouter, ServerSlot
 from envloop.models.generation.server_weights import AttemptGate, ControlFailed, reload_servers
 
+__all__ = ["GenerationFailed", "RetryableFailure", "ServerClient"]
+
 MAX_BACKOFF_S = 30.0
-SCORE_CANDIDATES = 64
-"""Candidates a llama.cpp scoring request lists first (then the whole vocabulary)."""
-SCORE_ATTEMPTS = 3
-
-
-class RetryableFailure(Exception):
-    """The server could not be reached or gave no usable answer; worth another try."""
-
-
-class GenerationFailed(Exception):
-    """A row's request failed for good; the text says why and where."""
 
 
 class ServerClient:
@@ -97,7 +88,9 @@ class ServerClient:
             reply, version = await self._call(
                 lambda server: self.dialect.body(request, sampling, server.media),
                 key,
-                lambda payload: _counted(self.dialect.parse(payload), request, 0),
+                lambda payload: _counted(
+                    self.dialect.parse(payload), request, self.dialect.image_count_fix
+                ),
             )
             logprobs = await self._complete_logprobs(request, sampling, reply, key)
         except GenerationFailed as exc:
@@ -114,10 +107,10 @@ class ServerClient:
         payload = await self._post(server, self.dialect.path, self.dialect.probe_body(token_id))
         return self.dialect.parse(payload)
 
-    async def probe_media(self, server: ServerSlot) -> None:
-        """Ask a llama.cpp ``server`` about image input (``GET /props``) into ``server.media``."""
-        if isinstance(self.dialect, LlamaCppDialect):
-            server.media = self.dialect.parse_media(await self.get_json(server.url + "/props"))
+    async def start(self, server: ServerSlot, vision: bool) -> None:
+        """Ask ``server`` what the dialect needs to know before generating (``vision``:
+        the served model takes images)."""
+        await self.dialect.start(server, self.get_json, vision)
 
     async def update_weights(self, reload: WeightReload, version: int) -> dict[str, str]:
         """Send ``reload``'s requests to every server once the attempts in flight are
@@ -144,7 +137,7 @@ class ServerClient:
         except _UNREACHABLE as exc:
             reason = _describe(exc, self.config.request_timeout_s)
             raise ControlFailed(f"{what}: {reason}") from None
-        if status != 200 or _declares_failure(text):
+        if self.dialect.control_failed(status, text):
             raise ControlFailed(f"{what}: HTTP {status}: {text[:500]}")
 
     async def get_json(self, url: str) -> Any:
@@ -218,98 +211,35 @@ class ServerClient:
     async def _complete_logprobs(
         self, request: GenerationRequest, sampling: Sampling, reply: Reply, key: Any
     ) -> list[float]:
-        """``reply.logprobs`` with every gap filled (llama.cpp only leaves gaps)."""
-        missing = [i for i, value in enumerate(reply.logprobs) if value is None]
-        if not missing:
+        """``reply.logprobs`` with every gap filled by the dialect's follow-up requests."""
+        if all(value is not None for value in reply.logprobs):
             return [float(v) for v in reply.logprobs]  # type: ignore[arg-type]
-        if not isinstance(self.dialect, LlamaCppDialect):
-            raise GenerationFailed("the server reported no log-probability for some tokens")
-        scores = await asyncio.gather(  # concurrently: one round trip, not one per gap
-            *(
-                self._score(request, reply.tokens[:i], reply.tokens[i], sampling, key)
-                for i in missing
-            )
-        )
-        filled = list(reply.logprobs)
-        for i, value in zip(missing, scores):
-            filled[i] = value
-        return filled  # type: ignore[return-value]
 
-    async def _score(
-        self, request: GenerationRequest, prefix: list[int], token: int, sampling: Sampling,
-        key: Any,
-    ) -> float:  # fmt: skip
-        dialect = self.dialect
-        assert isinstance(dialect, LlamaCppDialect)
-        for attempt in range(SCORE_ATTEMPTS):
-            for n_probs in dict.fromkeys((min(SCORE_CANDIDATES, self.vocab_size), self.vocab_size)):
-                self.counts["score_requests"] += 1
-                value, _ = await self._call(
-                    functools.partial(
-                        _score_body, dialect, request, prefix, sampling, n_probs, attempt
-                    ),
-                    key,
-                    lambda p: _scored(p, token, request, len(prefix)),
-                )
-                if value is not None:
-                    return value
-        raise GenerationFailed(
-            f"llama.cpp reported no probability for token {token} at position {len(prefix)} "
-            f"of the reply, nor in {SCORE_ATTEMPTS} scoring requests"
+        async def follow_up(body: Callable[[ServerSlot], dict[str, Any]], parse: Any) -> Any:
+            self.counts["score_requests"] += 1
+            return (await self._call(body, key, parse))[0]
+
+        return await self.dialect.fill_logprobs(
+            request, sampling, reply, follow_up, self.vocab_size
         )
 
 
-def _score_body(
-    dialect: LlamaCppDialect, request: GenerationRequest, prefix: list[int], sampling: Sampling,
-    n_probs: int, attempt: int, server: ServerSlot,
-) -> dict[str, Any]:  # fmt: skip
-    return dialect.score_body(request, prefix, sampling, n_probs, attempt, server.media)
-
-
-def _counted(reply: Reply, request: GenerationRequest, extra: int) -> Reply:
-    """``reply``, after checking that a server given images counted the prompt's tokens (plus
-    ``extra``) as the processor did."""
-    expected = len(request.prompt) + extra
+def _counted(reply: Reply, request: GenerationRequest, fix: str) -> Reply:
+    """``reply``, after checking that a server given images counted the prompt's tokens as
+    the processor did (``fix``: the dialect's way to make it)."""
+    expected = len(request.prompt)
     if request.images is not None and reply.prompt_tokens not in (None, expected):
         raise GenerationFailed(
             f"the server read the prompt and its {len(request.images.png)} image(s) as "
             f"{reply.prompt_tokens} tokens, the processor as {expected}: it resized an image "
-            "or re-tokenized the text differently (llama.cpp: start llama-server with "
-            "--image-min-tokens/--image-max-tokens covering the processor's min_pixels and "
-            "max_pixels; SGLang: run it with SGLANG_MM_AVOID_RETOKENIZE=1)"
+            f"or re-tokenized the text differently ({fix})"
         )
     return reply
-
-
-def _scored(payload: Any, token: int, request: GenerationRequest, prefix: int) -> float | None:
-    """The score of ``token`` in a llama.cpp answer; for a prompt with images, whose text the
-    server re-tokenizes, only when it read the prompt and the reply's first ``prefix``
-    tokens as that many tokens."""
-    count = payload.get("tokens_evaluated") if isinstance(payload, dict) else None
-    expected = len(request.prompt) + prefix
-    if request.images is not None and count != expected:
-        raise GenerationFailed(
-            f"llama.cpp reported no probability for token {token} at position {prefix} of "
-            "the reply (it ends mid-way through a character, or in a stop string), and a "
-            "prompt with images reaches it only as text: the reply's tokens before it read "
-            f"back as {count} tokens, not {expected}; serve the model with SGLang, or use "
-            "stop strings and a model whose replies decode to whole characters"
-        )
-    return LlamaCppDialect.parse_score(payload, token)
 
 
 _JSON = {"Content-Type": "application/json"}
 _UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 """What a request raises when its server cannot be reached or does not answer in time."""
-
-
-def _declares_failure(text: str) -> bool:
-    """Whether an answer is JSON saying ``"success": false`` (SGLang's way of failing)."""
-    try:
-        payload = json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return isinstance(payload, dict) and payload.get("success") is False
 
 
 def _describe(exc: BaseException, timeout_s: float) -> str:

@@ -10,8 +10,11 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from envloop.config.validation import Config, NonEmptyStr
+from envloop.models.generation.server_dialects.registry import DIALECTS
+from envloop.models.tokenizers import ChatTemplate, ChatTemplateKwargs
 
 Dialect = Literal["vllm", "sglang", "llamacpp"]
+"""The names of :data:`~envloop.models.generation.server_dialects.registry.DIALECTS`."""
 DEFAULT_DIALECT: Dialect = "vllm"
 
 
@@ -39,6 +42,8 @@ class ServerGenerationConfig(Config):
     tokenizer: NonEmptyStr
     """The served model's tokenizer (folder, hub id or ``bundled:<name>``): prompts are
     tokenized and responses decoded with it; token ids cross the wire, never text."""
+    chat_template: ChatTemplate  # both declared in envloop.models.tokenizers
+    chat_template_kwargs: ChatTemplateKwargs
     model: NonEmptyStr | None = None
     """The served model's name, sent with each vLLM request; None: the first of the server's
     ``/v1/models``. SGLang and llama.cpp ignore it."""
@@ -67,13 +72,8 @@ class ServerGenerationConfig(Config):
     """Seconds to wait on construction for every server to answer the probe request."""
 
     @model_validator(mode="after")
-    def _sglang_reports_sampled_logprobs(self) -> ServerGenerationConfig:
-        filtered = self.top_k is not None or self.top_p < 1
-        if self.dialect == "sglang" and filtered:
-            raise ValueError(
-                "dialect 'sglang' reports log-probabilities with the temperature applied but "
-                "not top-k/top-p filtering, so they would not be those of the distribution "
-                "tokens are drawn from; set top_k: null and top_p: 1, or serve with vLLM "
-                "(--logprobs-mode processed_logprobs) or llama.cpp"
-            )
+    def _dialect_takes_the_sampling(self) -> ServerGenerationConfig:
+        refused = DIALECTS[self.dialect].sampling_refused(self.top_k, self.top_p)
+        if refused is not None:
+            raise ValueError(refused)
         return self

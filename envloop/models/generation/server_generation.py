@@ -44,16 +44,13 @@ from envloop.models.generation.interfaces import (
     GenerationOutputSpec,
 )
 from envloop.models.generation.policy_versions import next_policy_version
-from envloop.models.generation.server_client import (
-    GenerationFailed,
-    RetryableFailure,
-    ServerClient,
-)
+from envloop.models.generation.server_client import ServerClient
 from envloop.models.generation.server_config import ServerGenerationConfig
 from envloop.models.generation.server_dialects import (
+    GenerationFailed,
     GenerationRequest,
-    LlamaCppDialect,
     MalformedReply,
+    RetryableFailure,
     Sampling,
     make_dialect,
 )
@@ -129,10 +126,8 @@ class ServerGeneration(GenerationInterface):
         self._requests_made = 0
         self._updating = threading.Lock()
         self._loop = LoopThread("envloop-server-client")
-        self.model = config.model
-        self._client = ServerClient(config, make_dialect(config.dialect), self.vocab_size)
-        if isinstance(self._client.dialect, LlamaCppDialect):
-            self._client.dialect.decode = self._decode
+        dialect = make_dialect(config.dialect, config.model, self._decode)
+        self._client = ServerClient(config, dialect, self.vocab_size)
         try:
             self._loop.run(self._client.open())
             self._loop.run(self._start())
@@ -166,6 +161,12 @@ class ServerGeneration(GenerationInterface):
         finally:
             for future in futures:
                 future.cancel()
+
+    @property
+    def model(self) -> str | None:
+        """The served model's name: ``config.model``, or for vLLM without one the first
+        model its server lists (None where the dialect takes no name)."""
+        return self._client.dialect.model
 
     @property
     def policy_version(self) -> int:
@@ -273,12 +274,9 @@ class ServerGeneration(GenerationInterface):
                 f"{dialect.images_refused}."
             )
         for server in self._client.router.servers:
-            if server.media is not None and not server.media.vision:
-                raise ValueError(
-                    f"The batch has images but {server.url} serves no vision projector; start "
-                    "llama-server with --mmproj <the model's mmproj GGUF> (scripts/"
-                    "convert_to_gguf.py --mmproj writes one)."
-                )
+            refused = dialect.images_refused_by(server.media)
+            if refused is not None:
+                raise ValueError(f"The batch has images but {server.url} {refused}.")
 
     def _check_reloadable(self) -> None:
         refused = self._client.dialect.weights_refused
@@ -326,8 +324,9 @@ class ServerGeneration(GenerationInterface):
         return output
 
     async def _start(self) -> None:
-        """Wait for every server to answer a probe request with token ids (and, for vLLM
-        without ``model``, ask the first server for its model's name)."""
+        """Wait for every server to answer what its dialect asks at start-up (vLLM without
+        ``model``: the model's name; llama.cpp serving a VLM: its image input) and a probe
+        request with token ids."""
         deadline = time.monotonic() + self.config.startup_timeout_s
         probe_token = _probe_token(self.tokenizer)
         await asyncio.gather(
@@ -338,13 +337,8 @@ class ServerGeneration(GenerationInterface):
         config, last = self.config, "no answer"
         while True:
             try:
-                if config.dialect == "vllm" and self.model is None:
-                    listing = await self._client.get_json(server.url + "/v1/models")
-                    self.model = _first_model(listing, server.url)
-                    self._client.dialect.model = self.model
+                await self._client.start(server, vision=self.vision is not None)
                 reply = await self._client.probe(server, token_id)
-                if self.vision is not None:
-                    await self._client.probe_media(server)
                 break
             except RetryableFailure as exc:  # still starting: refused, 503 while loading
                 last = str(exc)
@@ -413,12 +407,3 @@ def _checkpoint_path(checkpoint: Any) -> str:
             "share this machine's files."
         )
     return path
-
-
-def _first_model(listing: Any, url: str) -> str:
-    try:
-        return str(listing["data"][0]["id"])
-    except (KeyError, IndexError, TypeError):
-        raise RuntimeError(
-            f"{url}/v1/models lists no model; set model to the served model's name"
-        ) from None

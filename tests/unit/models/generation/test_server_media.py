@@ -94,9 +94,7 @@ REQUEST = GenerationRequest(PROMPT, 4, None, 7, RequestImages(PNGS, ((2, 6), (8,
 
 
 def llamacpp() -> LlamaCppDialect:
-    dialect = LlamaCppDialect()
-    dialect.decode = lambda ids: "".join(f"<{i}>" for i in ids)
-    return dialect
+    return LlamaCppDialect(decode=lambda ids: "".join(f"<{i}>" for i in ids))
 
 
 def test_llamacpp_sends_the_text_around_the_images_with_the_servers_marker():

@@ -9,7 +9,8 @@ order, and answer as each server's source does (routes and request models cited 
 raised, 404 ``{"detail": "Not Found"}`` without ``VLLM_SERVER_DEV_MODE=1``), ``/resume``
 ``{"status": "resumed"}``; SGLang's ``/update_weights_from_disk`` ``{"success", "message",
 "num_paused_requests"}`` (HTTP 400 with ``"success": false``). Generation answers follow
-``test_server_dialects.py``. They test our requests and version bookkeeping, not the servers.
+``server_dialects/test_*_dialect.py``. They test our requests and version bookkeeping, not
+the servers.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ NOT_FOUND: Answer = lambda body: (404, {"detail": "Not Found"})  # noqa: E731
 
 
 def generation_answer(dialect: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Each server's answer (the shape of test_server_dialects.py's) generating ``TOKENS``."""
+    """Each server's answer (the shape of server_dialects/test_*_dialect.py's) generating
+    ``TOKENS``."""
     if dialect == "vllm":
         names = [f"token_id:{t}" for t in TOKENS]
         logprobs = {"tokens": names, "token_logprobs": LOGPROBS, "text_offset": [0, 13, 26],
@@ -223,6 +225,7 @@ def sglang_reload(version: int) -> list[tuple[str, str, Any]]:
 
 def test_vllm_pauses_reloads_and_resumes_every_server_in_order(tiny_policy_dir):
     with serving("vllm", {}, {}) as servers, policy_on(servers, tiny_policy_dir) as policy:
+        assert policy.model == "m"  # the config's: no /v1/models request
         assert policy.update_weights(Path(CHECKPOINT)) == 1
         assert [server.requests for server in servers] == [VLLM_RELOAD, VLLM_RELOAD]
 
