@@ -253,6 +253,7 @@ BUILTIN_ENVS: dict[str, str] = {
     "code": "envloop.environments.code_environment:CodeEnvironment",
     "code_jaccard": "envloop.environments.code_jaccard_environment:CodeJaccardEnvironment",
     "sliding_puzzle": "envloop.environments.games.sliding_puzzle:SlidingPuzzleEnv",
+    "judge": "envloop.environments.judge_environment:JudgeEnvironment",
 }
 """The environments envloop ships, registered by import path (imported on first use).
 ``math_default`` is NeMo-RL's other name for ``math``."""
@@ -266,6 +267,7 @@ BUILTIN_CONFIG_CHECKS: dict[str, str] = {
     "code": "envloop.environments.code.config:config_problems",
     "code_jaccard": "envloop.environments.code.jaccard_config:config_problems",
     "sliding_puzzle": "envloop.environments.games.sliding_puzzle_config:config_problems",
+    "judge": "envloop.environments.judge.config:config_problems",
 }
 """The config check of each of :data:`BUILTIN_ENVS`: torch-free functions that the
 environments' constructors (and their ``config_problems``) run too."""

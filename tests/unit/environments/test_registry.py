@@ -114,6 +114,7 @@ def test_builtins_are_registered_and_resolve():
         "code",
         "code_jaccard",
         "sliding_puzzle",
+        "judge",
     }
     for name, path in BUILTIN_ENVS.items():
         check = BUILTIN_CONFIG_CHECKS[name]
@@ -132,6 +133,7 @@ BAD_CONFIGS = {
     "code": {"max_turns": 0, "memory_mb": 8},
     "code_jaccard": {"num_workers": 0, "alignment_threshold": -0.5},
     "sliding_puzzle": {"default_size": 1, "reward_on_solve": "1"},
+    "judge": {"num_judgements": 0, "mod": "group"},
 }
 
 
