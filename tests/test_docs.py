@@ -1,6 +1,7 @@
 """The documentation site: it builds offline with ``mkdocs build --strict`` (a broken link,
-anchor or API reference fails), and every page's Python blocks run as written (see
-tests/test_readme.py for the conventions)."""
+anchor or API reference fails), every page's Python blocks run as written (see
+tests/test_readme.py for the conventions), and what the README and the pages cite (dotted
+``envloop.<...>`` names, repository files) exists."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import contextlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +24,7 @@ from tests.test_readme import (
     python_blocks,
     run_blocks,
 )
+from tests.test_references import DOTTED, modules, unresolved
 
 DOCS = ROOT / "docs"
 PAGES = sorted(
@@ -122,3 +126,46 @@ def test_doctests_are_fenced_for_the_api_reference():
     assert module.fence_doctests(text) == (
         "Sum.\n\n```pycon\n>>> x[0][1]\n2\n```\n\nMore.\n```pycon\n>>> y\n1\n```"
     )
+
+
+FILE_PATH = re.compile(
+    r"(?<![\w/.-])((?:envloop|tests|scripts|benchmarks|examples|docs)/[\w./*-]*[\w*/])"
+)
+
+
+def cited_problems(path: Path) -> list[str]:
+    """Each dotted ``envloop.<...>`` path in ``path`` (a Markdown page) that names nothing, and
+    each repository file or folder it cites (``tests/...``, ``scripts/*.py``) that does not
+    exist."""
+    known, problems = modules(ROOT / "envloop"), []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for match in DOTTED.finditer(line):
+            why = unresolved(match.group(0), known)
+            if why:
+                problems.append(f"{path.name}:{number}: {match.group(0)}: {why}")
+        for match in FILE_PATH.finditer(line):
+            cited = match.group(1)
+            if not any(ROOT.glob(cited.rstrip("/"))):
+                problems.append(f"{path.name}:{number}: {cited}: no such file")
+    return problems
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *(f"docs/{p.relative_to(DOCS)}" for p in sorted(DOCS.rglob("*.md")))]
+)
+def test_what_a_page_cites_exists(page):
+    assert cited_problems(ROOT / page) == []
+
+
+def test_a_missing_module_name_and_file_are_found(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "`envloop.experience.rollouts.run_multi_turn_rollout` in `envloop/experience/`,\n"
+        "measured by `benchmarks/*.py`; `envloop.experience.rollout` and `envloop.demo.Nope`\n"
+        "in `tests/unit/test_nothing.py`.\n"
+    )
+    assert cited_problems(page) == [
+        "page.md:2: envloop.experience.rollout: envloop.experience defines no 'rollout'",
+        "page.md:2: envloop.demo.Nope: envloop.demo defines no 'Nope'",
+        "page.md:3: tests/unit/test_nothing.py: no such file",
+    ]
