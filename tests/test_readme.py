@@ -130,3 +130,11 @@ def test_check_env_on_the_readme_echo_asks_for_sample_metadata(tmp_path, monkeyp
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("OK: Echo keeps the environment contract on 1 sample")
     assert out[1] == "  sample 0: reward 1; environment: 'Environment: correct'"
+
+
+def test_readme_is_a_front_page():
+    """At most 1,500 words; everything else lives in the documentation pages it links."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.split()) <= 1500
+    assert "make demo" in text and "make test" in text
+    assert re.findall(r"\]\(docs/([\w-]+\.md)", text)  # links into the site
