@@ -1,21 +1,25 @@
 """The ``envloop`` command.
 
-    envloop run CONFIG.yaml [key=value ...] [--quiet]   roll out, write a run directory
+    envloop run CONFIG.yaml [key=value ...] [--quiet] [--resume]
+                                                        roll out, write a run directory
     envloop envs [NAME ...]                             registered environments and configs
     envloop check-env module:Class [--config ...]       check an environment's contract
     envloop report RUN_DIR                              rebuild RUN_DIR/report.html
     envloop reverify RUN_DIR                            re-score stored rollouts
 
 Exit status: 0 on success, 1 when the work failed (a broken environment, a failed run),
-2 for a bad command line or config.
+2 for a bad command line or config, 130 / 143 for a run stopped by Ctrl-C / SIGTERM (it
+prints the command that resumes it).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from envloop.config.errors import ConfigError
@@ -92,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML config (see the README's config reference)")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.max_turns=4")
     run.add_argument("-q", "--quiet", action="store_true", help="log lines, no live progress bar")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished samples of the run in output.dir, roll out only the others",
+    )
     run.set_defaults(handler=_run)
 
     envs = commands.add_parser("envs", help="list registered environments and their configs")
@@ -134,11 +143,29 @@ def _run(args: argparse.Namespace) -> int:
 
     from envloop.run.metrics import summary_table
     from envloop.run.runner import run
-    from envloop.run.termination import sigterm_stops_the_run
+    from envloop.run.termination import RunStopped, signals_stop_the_run
 
     hf_logging.disable_progress_bar()  # our own progress is the one to watch
-    with sigterm_stops_the_run():
-        result = run(config, quiet=args.quiet, inputs=inputs)
+    resume = resume_command(args)
+    try:
+        with signals_stop_the_run(resume):
+            result = run(config, quiet=args.quiet, inputs=inputs, resume=args.resume)
+    except RunStopped as stop:
+        print(
+            f"\nenvloop run: {stop}: {stop.finished} of {stop.total} samples finished, kept in "
+            f"{stop.run_dir}\nenvloop run: resume with: {resume}",
+            file=sys.stderr,
+        )
+        return stop.exit_status
+    except KeyboardInterrupt as exc:  # while starting up (RunTerminated: SIGTERM)
+        status = 143 if isinstance(exc, RunTerminated) else 130
+        said = str(exc) if isinstance(exc, RunTerminated) else "interrupted (Ctrl-C)"
+        print(f"\nenvloop run: {said}", file=sys.stderr)
+        from envloop.run.journal import JOURNAL_DIR, RUN_FILE
+
+        if (Path(config.output.dir) / JOURNAL_DIR / RUN_FILE).is_file():
+            print(f"envloop run: resume with: {resume}", file=sys.stderr)
+        return status
     print(summary_table(result.stats))
     print(f"run directory: {result.run_dir}")
     build_report = _optional_import("envloop.report.page", "build_report")
@@ -147,6 +174,17 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(f"report: {build_report(result.run_dir)}")
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that resumes the run ``args`` describe (``envloop run``'s).
+
+    >>> resume_command(argparse.Namespace(config="my run.yaml", overrides=["a.b=1"],
+    ...                                   quiet=True))
+    "envloop run 'my run.yaml' a.b=1 --quiet --resume"
+    """
+    quiet = ["--quiet"] if args.quiet else []
+    return shlex.join(["envloop", "run", args.config, *args.overrides, *quiet, "--resume"])
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -13,12 +13,15 @@ images): ``images`` (each image's lossless PNG bytes, in message order), ``image
 (each image's message index) and ``image_grid_thw`` (each image's ``[t, h, w]`` patch grid;
 see :mod:`envloop.run.records`). Both rollout files are appended batch by batch; each image
 is written once to ``images/`` under its content name, before the first line naming it.
+``envloop run`` writes both files at its end (and when it stops on a signal) from the
+run's journal (:mod:`envloop.run.journal`), in sample order (:func:`write_rollouts`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,24 +62,28 @@ _IMAGE_FILE = re.compile(r"[0-9a-f]{16}\.png")
 
 class RunWriter:
     """Writes one run directory; use as a context manager, ``add`` each batch's records
-    (:func:`envloop.run.records.sample_records`), then ``write_metrics``."""
+    (:func:`envloop.run.records.sample_records`), then ``write_metrics``. ``keep_images``:
+    the images already in ``images/`` are this run's (else they are removed)."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, keep_images: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for name in (ROLLOUTS_FILE, PARQUET_FILE, METRICS_FILE, "report.html"):
             (self.run_dir / name).unlink(missing_ok=True)
-        for path in (self.run_dir / IMAGES_DIR).glob("*.png"):  # an earlier run's images
-            if _IMAGE_FILE.fullmatch(path.name):
-                path.unlink()
         self._images: set[str] = set()
+        for path in (self.run_dir / IMAGES_DIR).glob("*.png"):
+            if not _IMAGE_FILE.fullmatch(path.name):
+                continue
+            if keep_images:  # written already (by the run's journal)
+                self._images.add(f"{IMAGES_DIR}/{path.name}")
+            else:  # an earlier run's images
+                path.unlink()
         self._jsonl = (self.run_dir / ROLLOUTS_FILE).open("w", encoding="utf-8")
         self._parquet = pq.ParquetWriter(self.run_dir / PARQUET_FILE, PARQUET_SCHEMA)
 
     def write_config(self, config: dict[str, Any]) -> None:
         """``config.yaml``: the resolved config, sections in order."""
-        text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
-        (self.run_dir / CONFIG_FILE).write_text(text, encoding="utf-8")
+        write_config(self.run_dir, config)
 
     def add(self, records: list[dict[str, Any]]) -> None:
         """Append records to both rollout files (flushed, so a crash keeps what is done),
@@ -93,8 +100,7 @@ class RunWriter:
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
         """``metrics.json``."""
-        text = json.dumps(jsonable(metrics), indent=2)
-        (self.run_dir / METRICS_FILE).write_text(text + "\n", encoding="utf-8")
+        write_metrics(self.run_dir, metrics)
 
     def close(self) -> None:
         self._jsonl.close()
@@ -113,6 +119,38 @@ class RunWriter:
                 (self.run_dir / IMAGES_DIR).mkdir(exist_ok=True)
                 (self.run_dir / name).write_bytes(png)
                 self._images.add(name)
+
+
+def write_config(run_dir: str | Path, config: dict[str, Any]) -> None:
+    """``config.yaml``: the resolved config, sections in order."""
+    text = yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
+    (Path(run_dir) / CONFIG_FILE).write_text(text, encoding="utf-8")
+
+
+def write_metrics(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """``metrics.json``."""
+    text = json.dumps(jsonable(metrics), indent=2)
+    (Path(run_dir) / METRICS_FILE).write_text(text + "\n", encoding="utf-8")
+
+
+def write_rollouts(
+    run_dir: str | Path, records: Iterable[dict[str, Any]], chunk: int = 256
+) -> list[dict[str, Any]]:
+    """``rollouts.jsonl`` and ``rollouts.parquet`` of ``records`` (in sample order, e.g.
+    :meth:`envloop.run.journal.RunJournal.records`), appended ``chunk`` at a time; the
+    images in ``images/`` are kept. Returns the records as ``rollouts.jsonl`` holds them
+    (without the Parquet-only columns)."""
+    lines: list[dict[str, Any]] = []
+    part: list[dict[str, Any]] = []
+    with RunWriter(run_dir, keep_images=True) as writer:
+        for record in records:
+            part.append(record)
+            lines.append({k: v for k, v in record.items() if k not in PARQUET_ONLY_KEYS})
+            if len(part) == chunk:
+                writer.add(part)
+                part = []
+        writer.add(part)
+    return lines
 
 
 def read_rollouts(run_dir: str | Path) -> list[dict[str, Any]]:

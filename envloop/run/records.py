@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,16 +48,19 @@ PARQUET_ONLY_KEYS = TOKEN_KEYS + IMAGE_KEYS
 """The record keys ``rollouts.jsonl`` leaves out (the model's inputs and outputs)."""
 
 
-def sample_records(final: BatchedDataDict[Any], first_sample: int = 0) -> list[dict[str, Any]]:
+def sample_records(
+    final: BatchedDataDict[Any], first_sample: int = 0, *, ids: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
     """Records of the samples of ``final`` (a ``run_multi_turn_rollout`` result whose input
     came from :func:`envloop.data.datasets.build_rollout_batch`), numbered from
-    ``first_sample``."""
+    ``first_sample``, or ``ids`` (one per row) when given."""
+    size = len(final["message_log"])
+    numbers = list(ids) if ids is not None else range(first_sample, first_sample + size)
+    if len(numbers) != size:
+        raise ValueError(f"sample_records: {len(numbers)} ids for {size} rows")
     components = sorted(k for k in final if k.startswith("reward/"))
     encoded: dict[int, bytes] = {}  # id(image) -> PNG: generations of a prompt share images
-    return [
-        _record(final, i, first_sample + i, components, encoded)
-        for i in range(len(final["message_log"]))
-    ]
+    return [_record(final, i, numbers[i], components, encoded) for i in range(size)]
 
 
 def jsonable(value: Any) -> Any:

@@ -5,9 +5,16 @@ The steps: load and tokenize the prompts, checked against ``rollout.max_seq_len`
 task -> load the policy meanwhile -> wait for the actors (each start-up phase timed into
 ``metrics.json``'s ``startup``) -> roll out ``rollout.batch_size`` samples at a time
 (progress while generating, after each turn and, in ``rollout.mode: async``, after each
-finished sample), appending to the rollout files in sample order -> each environment's
-``global_post_process_and_metrics`` -> ``metrics.json``. Both modes write the same files,
-rows and metrics.
+finished sample), each finished sample recorded in the run's journal
+(:mod:`envloop.run.journal`: appended and fsynced as it finishes in async mode, with its
+batch in sync mode) -> the rollout files, in sample order, from the journal -> each
+environment's ``global_post_process_and_metrics`` -> ``metrics.json``. Both modes write the
+same files, rows and metrics.
+
+With ``resume``, the journal already in the run directory is kept (once
+:mod:`envloop.run.resume` accepts the config and prompts) and only the samples it lacks
+are rolled out, in the batches the first run made of them. A signal stops the run as
+:mod:`envloop.run.termination` says. See docs/resume.md.
 The command line then prints the summary table and builds ``report.html``.
 """
 
@@ -17,7 +24,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -37,17 +44,25 @@ from envloop.run.config_sections import (
     ServerPolicyConfig,
 )
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
+from envloop.run.journal import JournalWriter, RunJournal
 from envloop.run.metrics import (
     TaskStats,
     combine_rollout_metrics,
     per_task_metrics,
     startup_metrics,
+    tally,
 )
-from envloop.run.outputs import RunWriter
+from envloop.run.outputs import write_config, write_metrics, write_rollouts
 from envloop.run.preflight import RunInputs, prepare_inputs
 from envloop.run.progress import Progress
-from envloop.run.records import PARQUET_ONLY_KEYS, sample_records
-from envloop.run.termination import reclaim_sigterm
+from envloop.run.records import jsonable, sample_records
+from envloop.run.resume import check_resumable, input_fingerprint
+from envloop.run.termination import (
+    RunStopped,
+    admitting_work,
+    reclaim_sigterm,
+    stop_requested,
+)
 
 Policy = HfGeneration | ServerGeneration
 """The backends a run config can name (``policy.backend``)."""
@@ -68,16 +83,59 @@ def run(
     quiet: bool = False,
     stream: IO[str] | None = None,
     inputs: RunInputs | None = None,
+    resume: bool = False,
 ) -> RunResult:
     """Run ``config`` (see the module docstring); progress goes to ``stream`` (stdout).
     ``inputs``: the prompts already checked and tokenized by
-    :func:`~envloop.run.preflight.prepare_inputs` (else done here, before Ray starts)."""
+    :func:`~envloop.run.preflight.prepare_inputs` (else done here, before Ray starts).
+    ``resume``: keep the finished samples of the run in ``output.dir`` and roll out only
+    the others (:func:`open_journal`; a ConfigError, before Ray starts, when the config
+    changed in a way that changes results). Raises :class:`RunStopped` after writing
+    what finished when a signal stopped the run (:mod:`envloop.run.termination`)."""
     out = stream if stream is not None else sys.stdout
     started = time.perf_counter()
     inputs = inputs if inputs is not None else prepare_inputs(config)
-    tasks = ", ".join(config.envs)
-    prompts = f"{len(inputs.samples)} prompt{'s' * (len(inputs.samples) != 1)}"
-    out.write(f"{prompts} from {config.data.path}, tasks: {tasks}\n")
+    journal = open_journal(config, inputs, resume)
+    try:
+        tasks = ", ".join(config.envs)
+        prompts = f"{len(inputs.samples)} prompt{'s' * (len(inputs.samples) != 1)}"
+        out.write(f"{prompts} from {config.data.path}, tasks: {tasks}\n")
+        if resume:
+            out.write(
+                f"resuming {config.output.dir}: {journal.finished} of {journal.total} samples "
+                f"finished earlier (kept), {journal.total - journal.finished} to roll out\n"
+            )
+        return _start_and_roll_out(config, inputs, journal, out, quiet, started)
+    finally:
+        journal.close()
+
+
+def open_journal(config: RunConfig, inputs: RunInputs, resume: bool) -> RunJournal:
+    """The journal of ``config.output.dir`` (:mod:`envloop.run.journal`): a new one, or with
+    ``resume`` the one there, once :func:`~envloop.run.resume.check_resumable` accepts the
+    config and prompts; ``config.yaml`` is written either way."""
+    run_dir = config.output.dir
+    resolved = jsonable(config.to_dict())
+    fingerprint = input_fingerprint(inputs.samples, inputs.token_ids)
+    if resume:
+        recorded = RunJournal.read(run_dir)
+        check_resumable(run_dir, recorded.config, resolved, recorded.header["inputs"], fingerprint)
+        journal = RunJournal.resume(run_dir, resolved)
+    else:
+        total = len(inputs.samples) * config.rollout.generations_per_prompt
+        journal = RunJournal.start(run_dir, resolved, fingerprint, total)
+    write_config(run_dir, config.to_dict())
+    return journal
+
+
+def _start_and_roll_out(
+    config: RunConfig,
+    inputs: RunInputs,
+    journal: RunJournal,
+    out: IO[str],
+    quiet: bool,
+    started: float,
+) -> RunResult:
     startup = PhaseTimer()  # its phases go to metrics.json's "startup"
     startup.seconds["prompt_tokenization"] = inputs.seconds
     with startup.phase("ray"):
@@ -96,7 +154,7 @@ def run(
         progress = Progress(batch.size, out, quiet, per_sample=config.rollout.mode == "async")
         if isinstance(policy, HfGeneration):  # a live token count while it generates
             policy.on_decode_step = progress.on_tokens
-        return _roll_out(config, policy, batch, envs, progress, started, startup)
+        return _roll_out(config, policy, batch, envs, progress, journal, started, startup)
     finally:
         stop_envs(envs)
         if policy is not None:
@@ -159,32 +217,56 @@ def _roll_out(
     batch: BatchedDataDict[Any],
     envs: dict[str, Any],
     progress: Progress,
+    journal: RunJournal,
     started: float,
     startup: PhaseTimer,
 ) -> RunResult:
-    rollout, parts, kept = config.rollout, [], []
-    with RunWriter(config.output.dir) as writer:
-        writer.write_config(config.to_dict())
-        progress.start()
+    """Roll out every sample the journal has not recorded, ``rollout.batch_size`` samples
+    of the input at a time (of a batch partly recorded, the rest), each recorded as it
+    finishes (async) or with its batch (sync); then the rollout files and metrics from the
+    journal. A signal (:func:`~envloop.run.termination.stop_requested`) stops admitting
+    batches: the rollout files are written from what finished and :class:`RunStopped`
+    raised."""
+    rollout, run_dir = config.rollout, Path(config.output.dir)
+    if batch.size != journal.total:
+        raise RuntimeError(
+            f"{run_dir}: the journal holds a run of {journal.total} samples, the prompts "
+            f"make {batch.size}; run without --resume to start over"
+        )
+    kept = journal.finished
+    if kept:
+        progress.update(journal.records(images=False))  # the samples finished earlier
+    progress.start()
+    with admitting_work():
         for start in range(0, batch.size, rollout.batch_size):
-            part = batch.slice(start, start + rollout.batch_size)
-            records, metrics = _roll_out_batch(rollout, policy, part, envs, progress, start)
-            writer.add(records)
+            end = min(start + rollout.batch_size, batch.size)
+            ids = [i for i in range(start, end) if not journal.is_finished(i)]
+            if not ids or stop_requested() is not None:
+                continue
+            part = batch.slice(start, end) if len(ids) == end - start else batch.select_indices(ids)
+            records, metrics = _roll_out_batch(rollout, policy, part, envs, progress, ids, journal)
+            journal.add_batch(metrics, len(ids))
             progress.update(
                 records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
             )
-            parts.append((metrics, part.size))
-            kept += [{k: v for k, v in r.items() if k not in PARQUET_ONLY_KEYS} for r in records]
         progress.close()
+        lines = write_rollouts(run_dir, journal.records())
+        signum = stop_requested()
+        if signum is not None and journal.finished < journal.total:
+            raise RunStopped(signum, journal.finished, journal.total, str(run_dir))
+        stats: dict[str, TaskStats] = {}
+        tally(lines, stats)
         metrics = {
-            "rollout": combine_rollout_metrics(parts),
-            "envs": env_metrics(envs, kept),
-            "per_task": per_task_metrics(progress.stats),
+            "rollout": combine_rollout_metrics(journal.batches),
+            "envs": env_metrics(envs, lines),
+            "per_task": per_task_metrics(stats),
             "startup": startup_metrics(startup),
             "wall_time_s": time.perf_counter() - started,
+            "resume": {"attempt": journal.header.get("attempt", 1), "samples_kept": kept},
         }
-        writer.write_metrics(metrics)
-    return RunResult(Path(config.output.dir), progress.stats, metrics)
+        write_metrics(run_dir, metrics)
+        journal.remove()  # the run directory holds every sample now
+    return RunResult(run_dir, stats, metrics)
 
 
 def _roll_out_batch(
@@ -193,29 +275,43 @@ def _roll_out_batch(
     part: BatchedDataDict[Any],
     envs: dict[str, Any],
     progress: Progress,
-    first_sample: int,
+    ids: list[int],
+    journal: RunJournal,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The sample records (in input order, numbered from ``first_sample``) and rollout
-    metrics of one batch, rolled out in ``rollout.mode``; an async rollout reports each
-    sample to ``progress`` as it finishes."""
+    """The sample records (in input order; sample ``ids``, one per row of ``part``) and
+    rollout metrics of one batch, rolled out in ``rollout.mode`` and recorded in
+    ``journal``: an async rollout hands each sample to the journal's writer thread
+    (:class:`~envloop.run.journal.JournalWriter`) and reports it to ``progress`` as it
+    finishes, a sync one records the batch when it ends."""
     args = (policy, part, engine_tokenizer(policy), envs, rollout.max_seq_len, rollout.max_turns)
     options = {"greedy": rollout.greedy, "on_turn": progress.on_turn, **rollout.engine_options()}
     if rollout.mode == "async":
         stream = RolloutStream(*args, **options)
-        records = asyncio.run(_streamed_records(stream, first_sample, progress.on_sample))
+        writer = JournalWriter(journal)  # the event loop never waits for the disk
+
+        def finished(record: dict[str, Any]) -> None:
+            writer.put(record)
+            progress.on_sample(record)
+
+        try:
+            records = asyncio.run(_streamed_records(stream, ids, finished))
+        finally:
+            writer.flush()
         return records, stream.metrics()
     final, metrics = run_multi_turn_rollout(*args, **options)
-    return sample_records(final, first_sample), metrics
+    records = sample_records(final, ids=ids)
+    journal.add(*records)
+    return records, metrics
 
 
 async def _streamed_records(
-    stream: RolloutStream, first_sample: int, on_record: Callable[[Mapping[str, Any]], None]
+    stream: RolloutStream, ids: list[int], on_record: Callable[[dict[str, Any]], None]
 ) -> list[dict[str, Any]]:
-    """The records of ``stream``'s samples in input order, each passed to ``on_record`` as
-    its sample finishes."""
+    """The records of ``stream``'s samples (sample ``ids[i]`` for its row ``i``) in input
+    order, each passed to ``on_record`` as its sample finishes."""
     records = []
     async for sample in stream:
-        [record] = sample_records(sample.batch, first_sample + sample.index)
+        [record] = sample_records(sample.batch, ids=[ids[sample.index]])
         on_record(record)
         records.append(record)
     return sorted(records, key=lambda record: record["sample"])

@@ -1,68 +1,98 @@
-"""``envloop run`` stopped by SIGTERM or Ctrl-C (SIGINT) mid-run: one line on stderr, exit
-status 143 or 130, no traceback (the run joins the suite's Ray session)."""
+"""``envloop run`` stopped by SIGTERM or Ctrl-C (SIGINT) mid-run: it stops admitting work,
+lets the batch in flight finish, writes the rollout files of what finished, prints the
+command that resumes and exits 143 / 130, with no traceback; a second Ctrl-C stops it at
+once, still resumable. The runs hold a batch on a gate file (:mod:`tests.fixtures.gated_envs`)
+so each signal lands at a known point; they join the suite's Ray session."""
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-import yaml
+
+from envloop.run.outputs import read_rollouts
+from tests.fixtures.resumable_runs import (
+    ledger,
+    run_here,
+    start_run,
+    text_run_config,
+    wait_for_samples,
+)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def start_run(folder, policy_dir, ray_address):
-    """``envloop run`` in a process of its own, on enough prompts to be still running
-    when its run directory appears."""
-    rows = [{"prompt": f"What is {a} + {a}?", "ground_truth": str(2 * a)} for a in range(400)]
-    (folder / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    config = {
-        "policy": {"model_name": str(policy_dir), "max_new_tokens": 32},
-        "data": {"path": str(folder / "prompts.jsonl")},
-        "envs": {"math": {"name": "math", "config": {"num_workers": 1}}},
-        "rollout": {"max_seq_len": 256, "max_turns": 1, "batch_size": 8},
-        "output": {"dir": str(folder / "run")},
-    }
-    (folder / "run.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "disabled"}
-    command = [sys.executable, "-m", "envloop.cli.main", "run", str(folder / "run.yaml"), "-q"]
-    return subprocess.Popen(
-        command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+def started(folder, policy_dir, ray_session):
+    """A sync run of 12 samples in batches of 4 whose second batch waits on the gate, in
+    its own process (stderr to ``folder/stderr``), once the first batch is recorded."""
+    config = text_run_config(folder, policy_dir, "sync", 4, hold={4, 5})
+    (folder / "gate").touch()
+    address = ray_session.get_runtime_context().gcs_address
+    process = start_run(config, address, "-q", stderr=folder / "stderr")
+    wait_for_samples(folder / "run", 4, process)
+    assert process.poll() is None, (process.communicate(), (folder / "stderr").read_text())
+    return config, process
 
 
-def wait_for(path, process, limit_s=300):
-    """Until ``path`` exists (the run has started rolling out), or the process ended."""
+def wait_for_line(path, text, process, limit_s=120):
+    """Until the file at ``path`` holds ``text`` or the process ended (bounded)."""
     deadline = time.monotonic() + limit_s
-    while not path.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
+    while text not in path.read_text() and process.poll() is None:
+        assert time.monotonic() < deadline, f"{text!r} not written in {limit_s} s"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(
     ("sent", "status", "line"),
     [
-        (signal.SIGTERM, 143, "envloop run: stopped by SIGTERM"),
-        (signal.SIGINT, 130, "envloop run: interrupted (Ctrl-C)"),
+        (signal.SIGTERM, 143, "envloop run: stopped by SIGTERM: 8 of 12 samples finished"),
+        (signal.SIGINT, 130, "envloop run: interrupted (Ctrl-C): 8 of 12 samples finished"),
     ],
 )
-def test_a_signal_mid_run_ends_it_with_one_line(
-    ray_session, tmp_path, tiny_policy_dir, sent, status, line
+def test_a_signal_finishes_the_batch_in_flight_and_prints_the_resume_command(
+    ray_session, tmp_path, untied_policy_dir, sent, status, line
 ):
-    address = ray_session.get_runtime_context().gcs_address
-    process = start_run(tmp_path, tiny_policy_dir, address)
+    config, process = started(tmp_path, untied_policy_dir, ray_session)
     try:
-        wait_for(tmp_path / "run" / "config.yaml", process)
-        assert process.poll() is None, process.communicate()
         process.send_signal(sent)
-        _, stderr = process.communicate(timeout=120)
+        (tmp_path / "gate").unlink()  # the batch in flight may end now; no batch starts
+        process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
+    stderr = (tmp_path / "stderr").read_text()
     assert process.returncode == status, stderr
-    assert line in stderr.splitlines()
+    lines = stderr.splitlines()
+    assert any(x.startswith(line) for x in lines), stderr
+    assert f"envloop run: resume with: envloop run {config} --quiet --resume" in lines
     assert "Traceback" not in stderr
+    assert sorted(ledger(tmp_path / "run")) == list(range(8))
+    written = [
+        json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+    ]
+    assert [r["sample"] for r in written] == list(range(8))  # what finished, in sample order
+
+
+def test_a_second_ctrl_c_stops_at_once_and_the_run_resumes(
+    ray_session, tmp_path, untied_policy_dir
+):
+    config, process = started(tmp_path, untied_policy_dir, ray_session)
+    try:
+        process.send_signal(signal.SIGINT)
+        wait_for_line(tmp_path / "stderr", "finishing the samples in flight", process)
+        process.send_signal(signal.SIGINT)  # the held batch never ends: only this stops it
+        process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert process.returncode == 130, stderr
+    assert "envloop run: interrupted (Ctrl-C) again: stopped at once" in stderr.splitlines()
+    assert f"envloop run: resume with: envloop run {config} --quiet --resume" in stderr
+    assert sorted(ledger(tmp_path / "run")) == [0, 1, 2, 3]
+    (tmp_path / "gate").unlink()
+    status, out, err = run_here(config, "--quiet", "--resume")
+    assert status == 0, out + err
+    assert [r["sample"] for r in read_rollouts(tmp_path / "run")] == list(range(12))
