@@ -3,7 +3,9 @@
 :func:`get_tokenizer` loads a tokenizer by name (a local folder, a hub id ``org/name`` or
 ``bundled:<name>``), gives it a pad token (EOS when it has none), sets its chat template
 (:func:`resolve_chat_template`) and makes ``chat_template_kwargs`` apply to every
-``apply_chat_template`` call on it.
+``apply_chat_template`` call on it. :func:`apply_chat_template_settings` does the last two
+to a tokenizer or a multimodal processor a backend loaded; the policy configs of both
+backends declare the two settings with :data:`ChatTemplate` and :data:`ChatTemplateKwargs`.
 
 ``trust_remote_code`` is never passed: it would run Python code downloaded from the hub, in
 this process and in every Ray actor the tokenizer is sent to. A tokenizer that needs it can
@@ -27,7 +29,10 @@ from envloop.models.tokenizer_classes import remember_class, remembered_class
 
 __all__ = [
     "PASSTHROUGH_TEMPLATE",
+    "ChatTemplate",
+    "ChatTemplateKwargs",
     "TokenizerConfig",
+    "apply_chat_template_settings",
     "configure_tokenizer",
     "get_tokenizer",
     "resolve_chat_template",
@@ -39,17 +44,36 @@ PASSTHROUGH_TEMPLATE = COMMON_CHAT_TEMPLATES.passthrough_prompt_response
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
+ChatTemplate = Annotated[
+    str | None,
+    Field(
+        "default",
+        description=(
+            "the chat template prompts and observations render with: default (the "
+            "tokenizer's own), null (the message contents concatenated), a .jinja file or "
+            "the template text"
+        ),
+    ),
+]
+"""The ``chat_template`` setting (see :func:`resolve_chat_template`)."""
+
+ChatTemplateKwargs = Annotated[
+    dict[str, Any] | None,
+    Field(
+        None,
+        description=(
+            "extra variables of every chat-template rendering, e.g. {enable_thinking: false} "
+            "for Qwen3-family models; null: none"
+        ),
+    ),
+]
+"""The ``chat_template_kwargs`` setting: defaults of every ``apply_chat_template`` call."""
+
+
 class TokenizerConfig(TypedDict):
     name: Annotated[str, Field(description='a local folder, a hub id or "bundled:<name>"')]
-    chat_template: NotRequired[
-        Annotated[
-            str | None,
-            Field(description='absent/"default": own; None: contents; a .jinja file; text'),
-        ]
-    ]
-    chat_template_kwargs: NotRequired[
-        Annotated[dict[str, Any] | None, Field(description="to every apply_chat_template")]
-    ]
+    chat_template: NotRequired[ChatTemplate]
+    chat_template_kwargs: NotRequired[ChatTemplateKwargs]
 
 
 def resolve_chat_template(tokenizer_config: Any, own: str | None) -> str | None:
@@ -126,10 +150,31 @@ def configure_tokenizer(tokenizer: Any, tokenizer_config: TokenizerConfig | dict
     """
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.chat_template = resolve_chat_template(tokenizer_config, tokenizer.chat_template)
-    kwargs = tokenizer_config.get("chat_template_kwargs")
-    if kwargs:
-        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template, **kwargs)
+    return apply_chat_template_settings(
+        tokenizer,
+        tokenizer_config.get("chat_template", "default"),
+        tokenizer_config.get("chat_template_kwargs"),
+    )
+
+
+def apply_chat_template_settings(
+    tokenizer: Any, chat_template: str | None = "default", kwargs: dict[str, Any] | None = None
+) -> Any:
+    """``tokenizer`` (changed in place and returned) with the chat template
+    ``chat_template`` selects (:func:`resolve_chat_template`: ``"default"`` keeps its own)
+    and ``kwargs`` as defaults of every ``apply_chat_template`` call on it (an explicit
+    argument still wins). A multimodal processor gets both, and so does its tokenizer, so
+    that whatever renders with either renders alike.
+
+    The defaults are a :func:`functools.partial` of the bound method stored on the instance,
+    as in NeMo-RL: the tokenizer still pickles (e.g. to a Ray actor) and keeps them.
+    """
+    inner = getattr(tokenizer, "tokenizer", None)
+    for target in (tokenizer, inner) if inner is not None else (tokenizer,):
+        own = getattr(target, "chat_template", None)
+        target.chat_template = resolve_chat_template({"chat_template": chat_template}, own)
+        if kwargs:
+            target.apply_chat_template = functools.partial(target.apply_chat_template, **kwargs)
     return tokenizer
 
 

@@ -89,10 +89,11 @@ def load_run_config(
 ) -> RunConfig:
     """The YAML file at ``path`` (None: start from nothing) with ``overrides`` applied,
     validated. Raises one :class:`ConfigError` naming every bad key. With ``deep``, also
-    checks that ``data.path`` exists (a relative path not found in the current directory
-    is looked up next to the config file), that models, tokenizers and checkpoints can be
-    found, and that the environments exist and their configs pass every check their
-    constructors run (see :func:`~envloop.run.config_checks.env_problems`).
+    checks that ``data.path`` and a ``policy.chat_template`` file exist (a relative path not
+    found in the current directory is looked up next to the config file), that models,
+    tokenizers and checkpoints can be found, and that the environments exist and their
+    configs pass every check their constructors run (see
+    :func:`~envloop.run.config_checks.env_problems`).
 
     The environment checks run only once everything else is valid: a built-in's imports
     nothing heavy, but an environment without a registered config check is checked by
@@ -101,7 +102,7 @@ def load_run_config(
     problems: list[str] = []
     raw = apply_overrides(raw, overrides, problems)
     if deep and path is not None:
-        _resolve_data_path(raw, Path(path).parent)
+        _resolve_relative_paths(raw, Path(path).parent)
     try:
         config = RunConfig.from_mapping(raw)
     except ConfigError as exc:
@@ -195,15 +196,18 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def _resolve_data_path(raw: dict[str, Any], config_dir: Path) -> None:
-    """A relative ``data.path`` missing from the current directory but present next to the
-    config file is taken from there."""
-    data = raw.get("data")
-    if not isinstance(data, dict) or not isinstance(data.get("path"), str):
-        return
-    path = Path(data["path"])
-    if not path.is_absolute() and not path.exists() and (config_dir / path).exists():
-        data["path"] = str(config_dir / path)
+def _resolve_relative_paths(raw: dict[str, Any], config_dir: Path) -> None:
+    """A relative ``data.path``, or ``policy.chat_template`` file, missing from the current
+    directory but present next to the config file is taken from there."""
+    for section, key in (("data", "path"), ("policy", "chat_template")):
+        values = raw.get(section)
+        if not isinstance(values, dict) or not isinstance(values.get(key), str):
+            continue
+        path = Path(values[key])
+        if section == "policy" and path.suffix != ".jinja":
+            continue  # template text, or "default"
+        if not path.is_absolute() and not path.exists() and (config_dir / path).exists():
+            values[key] = str(config_dir / path)
 
 
 def _deep_copy(raw: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ registered without ``config_check``) is checked by importing its class, and with
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from envloop.config.errors import prefixed
@@ -42,6 +43,14 @@ def semantic_problems(raw: Mapping[str, Any]) -> list[str]:
     for key in ("tokenizer",) if server else ("model_name", "tokenizer_name"):
         if isinstance(policy.get(key), str):
             problems += _some(model_problem(f"policy.{key}", policy[key]))
+    template = policy.get("chat_template")
+    if isinstance(template, str) and template.endswith(".jinja") and not Path(template).is_file():
+        problems.append(
+            f"policy.chat_template: no such .jinja file: {template!r} (relative paths are "
+            "looked up in the current directory, then next to the config file). Give an "
+            "existing file, the template text, default (the tokenizer's own) or null (the "
+            "message contents concatenated)."
+        )
     for task, env in _section(raw, "envs").items():
         config = env.get("config") if isinstance(env, Mapping) else None
         if isinstance(config, Mapping):

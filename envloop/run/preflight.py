@@ -1,5 +1,6 @@
 """What ``envloop run`` checks before it starts Ray: the prompts load, the policy's tokenizer
-loads, and every prompt fits ``rollout.max_seq_len``.
+loads, and every prompt fits ``rollout.max_seq_len``, rendered with the policy's
+``chat_template`` and ``chat_template_kwargs`` as the rollout renders it.
 
 It imports transformers' tokenizer classes but not torch (the tokenizer is loaded as
 :mod:`envloop.models.tokenizer_classes` describes), Ray, the policy model or the rollout
@@ -80,15 +81,30 @@ def prepare_inputs(config: RunConfig) -> RunInputs:
 
 def load_policy_tokenizer(policy: PolicyConfig) -> Any:
     """The tokenizer ``policy.tokenizer_name`` (by default ``policy.model_name``) names, or
-    with ``backend: server`` ``policy.tokenizer``. Raises OSError starting with the key
-    given when it cannot be loaded (e.g. a hub id without network access)."""
+    with ``backend: server`` ``policy.tokenizer``, with the policy's ``chat_template`` and
+    ``chat_template_kwargs``. Raises OSError starting with the key given when it cannot be
+    loaded (e.g. a hub id without network access), or ``policy.chat_template`` when its
+    file is missing."""
     from envloop.models.tokenizers import get_tokenizer
 
     key, name = _tokenizer_key(policy)
     try:
-        return get_tokenizer({"name": name})
+        tokenizer = get_tokenizer({"name": name})
     except (OSError, ValueError) as exc:
         raise OSError(f"{key}: {_one_line(str(exc))}") from exc
+    return _with_chat_template(tokenizer, policy)
+
+
+def _with_chat_template(tokenizer: Any, policy: PolicyConfig) -> Any:
+    """``tokenizer`` (or processor) with the policy's chat template settings."""
+    from envloop.models.tokenizers import apply_chat_template_settings
+
+    try:
+        return apply_chat_template_settings(
+            tokenizer, policy.chat_template, policy.chat_template_kwargs
+        )
+    except FileNotFoundError as exc:
+        raise OSError(f"policy.chat_template: {_one_line(str(exc))}") from exc
 
 
 def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
@@ -137,7 +153,7 @@ def load_policy_processor(policy: PolicyConfig, images_column: str) -> Any:
         why = _one_line(str(exc))
     else:
         if is_processor(processor):
-            return processor
+            return _with_chat_template(processor, policy)
         why = f"it loads as {type(processor).__name__}, a text tokenizer"
     raise ConfigError(
         "run config",

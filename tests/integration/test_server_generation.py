@@ -22,6 +22,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from envloop.data.chat_templates import ObservationRenderer
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
 from envloop.models.bundled import resolve_model
@@ -274,3 +275,21 @@ def test_a_server_that_gives_no_token_ids_is_refused_at_start_up(server):
 def test_an_unreachable_server_fails_start_up_with_the_url(dialect):
     with pytest.raises(RuntimeError, match=r"http://127\.0\.0\.1:9/? did not answer"):
         server_policy(["http://127.0.0.1:9"], dialect=dialect, startup_timeout_s=0.5)
+
+
+def test_the_policy_chat_template_settings_reach_the_tokenizer_it_renders_with(server):
+    switch = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )  # Qwen3's switch on ChatML
+    backend = server_policy(
+        [server.url], chat_template=switch, chat_template_kwargs={"enable_thinking": False}
+    )
+    try:
+        observation = ObservationRenderer(backend.tokenizer).render("tool", "42", True)
+        assert observation == (
+            "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
+    finally:
+        backend.shutdown()

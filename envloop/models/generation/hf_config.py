@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from envloop.config.validation import Config, NonEmptyStr
 from envloop.models.generation.threads import DEFAULT_CPU_THREADS
+from envloop.models.tokenizers import ChatTemplate, ChatTemplateKwargs
 
 Device = Literal["cpu", "cuda", "auto"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -34,6 +35,8 @@ class HfGenerationConfig(Config):
     ``AutoModelForImageTextToText`` and its processor when its config has a vision part."""
     tokenizer_name: NonEmptyStr | None = None
     """Tokenizer folder, hub id or ``bundled:<name>``; None: ``model_name``'s."""
+    chat_template: ChatTemplate  # both declared in envloop.models.tokenizers
+    chat_template_kwargs: ChatTemplateKwargs
     device: Device = "cpu"
     """``auto``: cuda when available, else cpu."""
     dtype: DType = "float32"

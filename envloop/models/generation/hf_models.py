@@ -12,6 +12,7 @@ import torch
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.hf_config import HfGenerationConfig
 from envloop.models.processors import load_processor
+from envloop.models.tokenizers import apply_chat_template_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,13 +36,16 @@ def is_vision_language(model_name: str) -> bool:
 
 def load_tokenizers(config: HfGenerationConfig, vision_language: bool) -> Tokenizers:
     """The tokenizer of ``config.tokenizer_name`` and, for a vision-language model, the
-    processor (loaded from the same folder or hub id; its tokenizer is the tokenizer)."""
+    processor (loaded from the same folder or hub id; its tokenizer is the tokenizer), with
+    ``config.chat_template`` and ``config.chat_template_kwargs``."""
     from transformers import AutoTokenizer
 
     assert config.tokenizer_name is not None  # HfGenerationConfig fills it in
     name = resolve_model(config.tokenizer_name)
+    template = (config.chat_template, config.chat_template_kwargs)
     if not vision_language:
-        return Tokenizers(AutoTokenizer.from_pretrained(name), None)
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        return Tokenizers(apply_chat_template_settings(tokenizer, *template), None)
     try:
         processor = load_processor(name)
     except (OSError, ValueError) as exc:
@@ -51,6 +55,7 @@ def load_tokenizers(config: HfGenerationConfig, vision_language: bool) -> Tokeni
             "Point tokenizer_name at a folder or hub id with the model's processor files "
             "(preprocessor_config.json and the tokenizer)."
         ) from exc
+    apply_chat_template_settings(processor, *template)  # and to its tokenizer
     return Tokenizers(processor.tokenizer, processor)
 
 

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 
 from envloop.config.validation import Config, NonEmptyStr
 from envloop.models.generation.server_dialects.registry import DIALECTS
+from envloop.models.tokenizers import ChatTemplate, ChatTemplateKwargs
 
 Dialect = Literal["vllm", "sglang", "llamacpp"]
 """The names of :data:`~envloop.models.generation.server_dialects.registry.DIALECTS`."""
@@ -41,6 +42,8 @@ class ServerGenerationConfig(Config):
     tokenizer: NonEmptyStr
     """The served model's tokenizer (folder, hub id or ``bundled:<name>``): prompts are
     tokenized and responses decoded with it; token ids cross the wire, never text."""
+    chat_template: ChatTemplate  # both declared in envloop.models.tokenizers
+    chat_template_kwargs: ChatTemplateKwargs
     model: NonEmptyStr | None = None
     """The served model's name, sent with each vLLM request; None: the first of the server's
     ``/v1/models``. SGLang and llama.cpp ignore it."""

@@ -56,6 +56,7 @@ from envloop.models.generation.server_dialects import (
 )
 from envloop.models.generation.server_media import VisionTokens, request_images
 from envloop.models.generation.server_weights import WeightUpdateFailed
+from envloop.models.tokenizers import apply_chat_template_settings
 
 __all__ = ["ServerGeneration", "ServerGenerationConfig", "WeightUpdateFailed"]
 
@@ -121,6 +122,11 @@ class ServerGeneration(GenerationInterface):
             from envloop.models.processors import load_processor
 
             self.processor = load_processor(resolve_model(config.tokenizer))
+        for tokenizer in (self.tokenizer, self.processor):
+            if tokenizer is not None:
+                apply_chat_template_settings(
+                    tokenizer, config.chat_template, config.chat_template_kwargs
+                )
         self.pad_id = _pad_id(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
         self._requests_made = 0

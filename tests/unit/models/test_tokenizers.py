@@ -12,7 +12,12 @@ from envloop.config.errors import ConfigError
 from envloop.data.chat_templates import COMMON_CHAT_TEMPLATES, render_chat
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.demo import bundled_path
-from envloop.models.tokenizers import PASSTHROUGH_TEMPLATE, get_tokenizer, resolve_chat_template
+from envloop.models.tokenizers import (
+    PASSTHROUGH_TEMPLATE,
+    apply_chat_template_settings,
+    get_tokenizer,
+    resolve_chat_template,
+)
 from tests.fixtures.chat_templates import build_chatml_tokenizer, build_llama3_tokenizer
 
 CONVERSATION = [
@@ -199,3 +204,32 @@ def test_config_problems_are_reported_together(chatml_dir):
         "chat_template: expected str | None, got int (3)",
         "chat_templat_kwargs: unknown option. Did you mean 'chat_template_kwargs'?",
     ]
+
+
+# --- apply_chat_template_settings ---------------------------------------------------------
+
+QWEN3_SWITCH = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+"""ChatML with Qwen3's switch: ``enable_thinking: false`` opens the reply with an empty
+thinking block."""
+
+
+def test_a_processor_and_its_tokenizer_both_take_the_settings():
+    from envloop.models.tiny_vlm import build_tiny_vlm_processor
+
+    processor = build_tiny_vlm_processor()
+    own = processor.chat_template
+    assert apply_chat_template_settings(processor) is processor  # "default": as they were
+    assert processor.chat_template == own and "apply_chat_template" not in vars(processor)
+    apply_chat_template_settings(processor, QWEN3_SWITCH, {"enable_thinking": False})
+    user = "<|im_start|>user\nWhat is 12 * 7?<|im_end|>\n"
+    expected = user + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    for rendering in (processor, processor.tokenizer):
+        assert render_chat(rendering, CONVERSATION[1:], add_generation_prompt=True) == expected
+    apply_chat_template_settings(processor, None)
+    assert processor.tokenizer.chat_template == PASSTHROUGH_TEMPLATE

@@ -53,7 +53,8 @@ def test_minimal_config_gets_every_default(config_file):
     resolved = config.to_dict()
     assert list(resolved) == ["policy", "data", "envs", "rollout", "ray", "output"]
     assert resolved["policy"] == {
-        "model_name": "bundled:policy", "tokenizer_name": "bundled:policy", "device": "cpu",
+        "model_name": "bundled:policy", "tokenizer_name": "bundled:policy",
+        "chat_template": "default", "chat_template_kwargs": None, "device": "cpu",
         "dtype": "float32", "temperature": 1.0, "top_p": 1.0, "top_k": None,
         "max_new_tokens": 512, "micro_batch_size": 32, "seed": 0, "num_workers": 1,
         "worker_num_cpus": 1.0, "worker_num_gpus": 0.0, "cpu_threads": 1,

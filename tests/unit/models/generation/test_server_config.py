@@ -17,6 +17,8 @@ def test_config_defaults():
         "base_urls": [URL],
         "dialect": "vllm",
         "tokenizer": MODEL,
+        "chat_template": "default",
+        "chat_template_kwargs": None,
         "model": None,
         "temperature": 1.0,
         "top_p": 1.0,
