@@ -11,7 +11,9 @@ from transformers import AutoTokenizer
 
 from envloop.config.errors import ConfigError
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.generation.hf_engine import HfEngine
 from envloop.models.generation.hf_generation import HfGeneration, HfGenerationConfig
+from envloop.models.generation.hf_worker_pool import HfWorkerPool
 from tests.fixtures.generation import PROMPTS, generated, make_batch
 
 EOS_PROMPT = PROMPTS[0]  # with the untied policy, greedy reaches EOS after 16 tokens
@@ -339,6 +341,25 @@ def test_on_decode_step_counts_each_steps_tokens(greedy_gen):
     assert sum(steps) == sum(lengths)
 
 
+def test_in_process_the_facade_hands_every_call_to_its_engine(greedy_gen):
+    engine = greedy_gen.engine
+    assert isinstance(engine, HfEngine)
+    assert greedy_gen.model is engine.model and greedy_gen.pad_id == engine.pad_id
+    batch = make_batch(greedy_gen.tokenizer, PROMPTS[:2])
+    steps: list[int] = []
+    greedy_gen.on_decode_step = steps.append
+    try:
+        assert engine.on_decode_step == steps.append
+        ours, direct = greedy_gen.generate(batch, greedy=True), engine.generate(batch, greedy=True)
+    finally:
+        greedy_gen.on_decode_step = None
+    assert engine.on_decode_step is None and steps  # both calls counted their steps
+    for key in ("output_ids", "logprobs", "generation_lengths"):
+        assert torch.equal(ours[key], direct[key]), key
+    assert greedy_gen.decode_stats() == engine.decode_stats()
+    assert greedy_gen.policy_version == engine.policy_version == 0
+
+
 def test_cpu_generation_sets_this_process_torch_threads(tiny_policy_dir):
     before = torch.get_num_threads()
     try:
@@ -372,9 +393,11 @@ def test_two_ray_workers_match_in_process_greedy(ray_session, greedy_gen, untied
     )
     workers = HfGeneration(config)
     try:
-        assert workers.model is None
+        assert workers.model is None and isinstance(workers.engine, HfWorkerPool)
+        with pytest.raises(NotImplementedError, match="iterate over generate_async"):
+            workers.iter_generate(make_batch(workers.tokenizer, PROMPTS[:1]))
         threads = [
-            w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in workers._pool.workers
+            w.__ray_call__.remote(lambda _: torch.get_num_threads()) for w in workers.engine.workers
         ]
         assert ray_session.get(threads) == [2, 2]
         assert workers.prepare_for_generation()

@@ -135,7 +135,7 @@ def update_at_step(gen: HfGeneration, weights, late_batch, caller: str):
             assert gen.update_weights(weights) == 1
         else:
             reached.set()
-            assert gen._batcher.wait_for_update(timeout=60)
+            assert gen.engine.batcher.wait_for_update(timeout=60)
         late.append(gen.iter_generate(late_batch))
 
     def update_from_this_thread() -> None:
@@ -201,7 +201,7 @@ def test_an_update_from_the_step_hook_lands_after_one_another_thread_queued(
         steps.append(tokens)
         if len(steps) == SPLIT:
             reached.set()
-            assert gen._batcher.wait_for_update(timeout=60)  # thread A's is queued
+            assert gen.engine.batcher.wait_for_update(timeout=60)  # thread A's is queued
             versions.append(gen.update_weights(second))
 
     def thread_a_updates() -> None:
@@ -303,7 +303,7 @@ def pause_at_step(step: int):
         def on_step(tokens: int) -> None:
             count.append(tokens)
             if len(count) == step:
-                worker._batcher.wait_for_update(timeout=120)
+                worker.batcher.wait_for_update(timeout=120)
 
         worker.on_decode_step = on_step
 
@@ -319,14 +319,14 @@ def wait_until(condition, timeout: float = 120.0) -> None:
 
 
 class RecordingWorker:
-    """A worker handle whose ``_stage_weights`` calls record the payload they send."""
+    """A worker handle whose ``stage_weights`` calls record the payload they send."""
 
     def __init__(self, handle, payloads: list) -> None:
         self.handle, self.payloads = handle, payloads
 
     def __getattr__(self, name: str):
         method = getattr(self.handle, name)
-        if name != "_stage_weights":
+        if name != "stage_weights":
             return method
         outer = self
 
@@ -349,14 +349,14 @@ def test_two_workers_update_between_steps_from_one_object_store_copy(
     ray_session, untied_policy_dir, old_model, new_model, tmp_path, monkeypatch
 ):
     gen = policy(untied_policy_dir, num_workers=2, cpu_threads=1)
-    handles = gen._pool.workers
+    handles = gen.engine.workers
     try:
         batch = make_batch(gen.tokenizer, PROMPTS[:4])
         puts: list = []
         real_put = ray_session.put
         monkeypatch.setattr(ray_session, "put", lambda value: puts.append(value) or real_put(value))
         payloads: list = []
-        gen._pool.workers = [RecordingWorker(w, payloads) for w in handles]
+        gen.engine.workers = [RecordingWorker(w, payloads) for w in handles]
 
         bad = new_model.state_dict()
         bad["model.norm.weight"] = torch.zeros(3)
@@ -399,5 +399,5 @@ def test_two_workers_update_between_steps_from_one_object_store_copy(
             assert versions == [2] * k
             close(logprobs, forced(old_model, ids, n))
     finally:
-        gen._pool.workers = handles
+        gen.engine.workers = handles
         gen.shutdown()
