@@ -124,7 +124,7 @@ def batched_message_log_to_flat_message(
         return BatchedDataDict(), torch.empty(0, dtype=torch.int32)
     keys = _union_keys(flats)
     packed = {
-        k: _packed_batch(k, [f.get(k) for f in flats])
+        k: _packed_batch(k, [f.get(k) for f in flats], _plain_rows(message_log_batch, k))
         for k in keys
         if any(isinstance(f.get(k), PackedTensor) for f in flats)
     }
@@ -286,37 +286,88 @@ def _check_packed_keys_hold_only_packed(
         for key in packed_keys:
             if key in message and not isinstance(message[key], PackedTensor):
                 raise TypeError(
-                    f"message {j}: {key!r} is a {type(message[key]).__name__}, but a "
-                    f"PackedTensor in other messages of the log. Store {key!r} (a vision "
-                    "input) as a PackedTensor in every message that has it, as "
-                    "get_formatted_message_log does."
+                    f"Packed multimodal key {key!r} also contains non-packed values: "
+                    f"[{type(message[key]).__name__!r}] (message {j} of the log; other "
+                    f"messages hold PackedTensors). Store {key!r} (a vision input) as a "
+                    "PackedTensor in every message that has it, as get_formatted_message_log "
+                    "does."
                 )
 
 
 def _packed_log_item(key: str, values: list[PackedTensor]) -> PackedTensor:
-    """One item: every message's items of ``key`` concatenated (None if none present)."""
-    dim = common_dim_to_pack(values, key)
+    """One row: every message's rows of ``key`` joined (no tensor if none present).
+
+    Plain values are concatenated into one tensor; if any value is deduplicated (or
+    segmented) the row references the messages' segments (``PackedTensor.merge_segments``),
+    so an image shared by the generations of a prompt stays stored once."""
+    common_dim_to_pack(values, key)
+    _check_packed_consistency(key, values, "in one message log's PackedTensor items")
+    if any(v.segmented for v in values):
+        return PackedTensor.merge_segments(values)
+    dim = values[0].dim_to_pack
     present = [t for v in values for t in v.present]
-    _validate_tensor_consistency(
-        [t.movedim(dim, 0) for t in present], key, "in one message log's PackedTensor items"
+    return PackedTensor.flattened_concat(
+        [PackedTensor(present, dim, pad_to_max_shape=values[0].pad_to_max_shape)]
     )
-    return PackedTensor.flattened_concat([PackedTensor(present, dim)])
 
 
-def _packed_batch(key: str, values: list[Any]) -> PackedTensor:
-    """Per-sample one-item PackedTensors joined, None items for samples without ``key``."""
+def _packed_batch(key: str, values: list[Any], plain_rows: list[int | None]) -> PackedTensor:
+    """Per-sample one-row PackedTensors joined; empty rows for samples without ``key``.
+
+    ``plain_rows``: per sample, the rows of its messages' plain (not deduplicated) values
+    of ``key`` (None for a sample whose values are deduplicated or that lacks the key)."""
     others = [i for i, v in enumerate(values) if v is not None and not isinstance(v, PackedTensor)]
     if others:
+        names = [type(values[i]).__name__ for i in others]
         raise TypeError(
-            f"{key!r} is a PackedTensor in some samples and a {type(values[others[0]]).__name__} "
-            f"in samples {others}. Store {key!r} as a PackedTensor in every message that has it."
+            f"Packed multimodal key {key!r} also contains non-packed values: {names} "
+            f"(samples {others}; other samples hold PackedTensors). Store {key!r} as a "
+            "PackedTensor in every message that has it."
         )
     packed = [v for v in values if v is not None]
-    dim = common_dim_to_pack(packed, key)
-    _validate_tensor_consistency(
-        [t.movedim(dim, 0) for v in packed for t in v.present], key, "across the batch"
-    )
-    return PackedTensor.concat([PackedTensor([None], dim) if v is None else v for v in values])
+    common_dim_to_pack(packed, key)
+    deduplicated = [i for i, v in enumerate(values) if v is not None and v.segmented]
+    misaligned = [(i, n) for i, n in enumerate(plain_rows) if n is not None and n != 1]
+    if deduplicated and misaligned:
+        i, n = misaligned[0]
+        raise MisalignedMediaError(
+            f"flattened_concat requires one logical row per input: {key!r} is deduplicated "
+            f"in samples {deduplicated}, but sample {i} holds it as {n} plain rows (one per "
+            "message or image), which deduplicated rows cannot be aligned with. Enable "
+            f"deduplication on every message's {key!r} (PackedTensor.enable_deduplication(), "
+            "or BatchedDataDict.repeat_interleave(..., share_immutable_media=True)) so each "
+            "conversation's media is one row."
+        )
+    _check_packed_consistency(key, packed, "across the batch")
+    return PackedTensor.flattened_concat(values)
+
+
+def _check_packed_consistency(key: str, values: Sequence[PackedTensor], where: str) -> None:
+    """``RuntimeError`` unless the stored tensors of ``values`` agree in dtype, device,
+    rank and shape apart from the packing dimension (only dtype and device when they are
+    padded to the largest shape, ``pad_to_max_shape``)."""
+    tensors = [(t, v.dim_to_pack) for v in values for t in v.tensors if t is not None]
+    if any(v.pad_to_max_shape for v in values):
+        # only dtype and device must agree: every shape is padded in as_tensor
+        _validate_tensor_consistency([t.new_empty(0) for t, _ in tensors], key, where)
+        return
+    _validate_tensor_consistency([t.movedim(dim, 0) for t, dim in tensors], key, where)
+
+
+class MisalignedMediaError(ValueError, AssertionError):
+    """A batch mixes deduplicated media with conversations whose media is several plain
+    rows (a ``ValueError``; also an ``AssertionError``, as the published check was)."""
+
+
+def _plain_rows(logs: Sequence[LLMMessageLogType], key: str) -> list[int | None]:
+    """Per log, the rows of its messages' plain ``PackedTensor`` values of ``key`` (None if
+    it has none of them, or any is deduplicated)."""
+    out: list[int | None] = []
+    for log in logs:
+        values = [m[key] for m in log if isinstance(m.get(key), PackedTensor)]
+        plain = values and not any(v.segmented for v in values)
+        out.append(sum(len(v) for v in values) if plain else None)
+    return out
 
 
 def _concat_parts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:

@@ -10,7 +10,9 @@ inputs (``pixel_values``, ``image_grid_thw`` or whatever the processor returns) 
 :class:`PackedTensor`: per-item tensors that are concatenated along ``dim_to_pack`` only
 when a model needs them, so selecting, slicing and repeating samples never copies image data.
 ``PackedTensor`` is defined in ``envloop.distributed.packed_tensor`` (so ``BatchedDataDict``
-can handle it) and published here.
+can handle it) and published here, with the media key and content type names that
+``BatchedDataDict.repeat_interleave(..., share_immutable_media=True)`` shares
+(``envloop.distributed.media_sharing``). See docs/multimodal_data.md.
 """
 
 from __future__ import annotations
@@ -26,10 +28,24 @@ from envloop.data.content_parts import (
     has_images,
     load_image,
 )
+from envloop.distributed.media_sharing import (
+    AUDIO_CONTENT_TYPES,
+    IMAGE_CONTENT_TYPES,
+    MULTIMODAL_CONTENT_TYPES,
+    NATIVE_MULTIMODAL_KEYS,
+    VIDEO_CONTENT_TYPES,
+    VLLM_MULTIMODAL_DATA_KEYS,
+)
 from envloop.distributed.packed_tensor import PackedTensor
 
 __all__ = [
+    "AUDIO_CONTENT_TYPES",
+    "IMAGE_CONTENT_TYPES",
+    "MULTIMODAL_CONTENT_TYPES",
+    "NATIVE_MULTIMODAL_KEYS",
     "TEXT_ONLY_KEYS",
+    "VIDEO_CONTENT_TYPES",
+    "VLLM_MULTIMODAL_DATA_KEYS",
     "PackedTensor",
     "content_images",
     "content_text_parts",

@@ -6,8 +6,9 @@ module holds the dict and its row and column operations.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import torch
 from typing_extensions import Self
@@ -19,7 +20,13 @@ from envloop.distributed.columns import (
     first_column_len,
     unsupported,
 )
+from envloop.distributed.media_sharing import NATIVE_MULTIMODAL_KEYS, prepare_media_sharing
 from envloop.distributed.microbatches import MicroBatchMixin
+from envloop.distributed.model_inputs import (
+    OPTIONAL_MODEL_INPUT_KEYS,
+    PIXEL_DTYPE_CAST_KEYS,
+    multimodal_inputs,
+)
 from envloop.distributed.packed_tensor import PackedTensor
 from envloop.distributed.sharding import (
     BatchSplitError,
@@ -73,6 +80,10 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
     [2, 3]
     """
 
+    ADDITIONAL_OPTIONAL_KEY_TENSORS: ClassVar[list[str]] = list(OPTIONAL_MODEL_INPUT_KEYS)
+    """Per-token tensors that ``get_multimodal_dict`` returns beside the PackedTensors."""
+    _PIXEL_DTYPE_CAST_KEYS = PIXEL_DTYPE_CAST_KEYS
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._clear_micro_batches()
@@ -115,6 +126,27 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         """The columns as a plain ``dict``."""
         return dict(self)
 
+    def get_multimodal_dict(
+        self,
+        as_tensors: bool = False,
+        device: str | torch.device | None = None,
+        pixel_dtype: torch.dtype | None = None,
+    ) -> dict[str, Any]:
+        """The multimodal model inputs: every ``PackedTensor`` column (packed into one tensor,
+        ``as_tensor(device)``, if ``as_tensors``; e.g. ``pixel_values`` [sum of patches, D])
+        and the ``token_type_ids`` / ``mm_token_type_ids`` [B, L] tensors if present.
+
+        ``pixel_dtype`` casts ``pixel_values`` and ``pixel_values_videos`` (each stored
+        segment once). With ``as_tensors``, deduplicated coupled columns (``pixel_values``
+        and ``image_grid_thw``, ...) must agree in segments per row (``ValueError``).
+
+        >>> b = BatchedDataDict({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+        ...     "pixel_values": PackedTensor([torch.ones(4, 6), torch.ones(2, 6)], 0)})
+        >>> {k: tuple(v.shape) for k, v in b.get_multimodal_dict(as_tensors=True).items()}
+        {'pixel_values': (6, 6)}
+        """
+        return multimodal_inputs(self, as_tensors, device, pixel_dtype)
+
     def select_indices(self, indices: Sequence[int] | torch.Tensor) -> Self:
         """Rows ``indices`` (a list or 1-D integer tensor), in that order; repeats allowed.
 
@@ -155,13 +187,20 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
                 out[key] = value[start:end]
         return out
 
-    def repeat_interleave(self, num_repeats: int) -> Self:
+    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> Self:
         """Each row repeated ``num_repeats`` times in place (``a a b b``), e.g. for GRPO groups.
 
         List entries are deep-copied per repeat, so repeated samples never share mutable state,
-        except image data, which is immutable and large: PIL images inside list entries (e.g.
-        image parts of message contents) and the tensors of ``PackedTensor`` values (columns,
-        or per-message vision inputs) are shared by the repeats, not copied.
+        except image data, which is immutable and large: PIL images and encoded image buffers
+        inside list entries (e.g. image parts of message contents) and the tensors of
+        ``PackedTensor`` values (columns, or per-message vision inputs) are shared by the
+        repeats, not copied.
+
+        ``share_immutable_media=True`` also deduplicates: every ``PackedTensor`` (in list
+        entries, in place, and the repeated columns) gets provenance ids, so flattening the
+        repeats' logs, sharding and joining them keep one stored copy per image; and raw
+        media leaves (under ``vllm_images`` / ``vllm_videos`` / ``vllm_audios`` /
+        ``vllm_content`` or in image, video and audio content parts) are shared too.
 
         >>> pixels = PackedTensor([torch.ones(4, 3), None], dim_to_pack=0)
         >>> logs = [[{"role": "user", "pixel_values": pixels.slice([0])}], [{"role": "user"}]]
@@ -180,12 +219,19 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
             if isinstance(value, torch.Tensor):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
             elif isinstance(value, list):
+                in_media = key in NATIVE_MULTIMODAL_KEYS
                 out[key] = [
                     repeat
                     for item in value
-                    for repeat in deepcopy_sharing_images(item, num_repeats)
+                    for repeat in deepcopy_sharing_images(
+                        item,
+                        num_repeats,
+                        prepare_media_sharing(item, in_media) if share_immutable_media else None,
+                    )
                 ]
             elif isinstance(value, PackedTensor):
+                if share_immutable_media and not value.deduplication_enabled:
+                    value = copy.deepcopy(value).enable_deduplication()
                 out[key] = value.repeat_interleave(num_repeats)
             else:
                 raise unsupported(key, value)
@@ -331,6 +377,8 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         cls,
         batches: Sequence[Mapping[str, Any]],
         pad_value_dict: Mapping[str, int | float] | None = None,
+        *,
+        allow_missing_packed_tensors: bool = False,
     ) -> Self:
         """Concatenate batches along the batch dimension.
 
@@ -354,6 +402,8 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         pad_values = dict(pad_value_dict or {})
         rows = [first_column_len(batch) for batch in batches]
         keys = list(dict.fromkeys(key for batch in batches for key in batch))
+        if allow_missing_packed_tensors:
+            batches = _fill_missing_packed(batches, keys, rows)
         for key in keys:
             missing = [i for i, batch in enumerate(batches) if key not in batch and rows[i]]
             if missing:
@@ -366,7 +416,10 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
         for i, batch in enumerate(batches):
             sizes = {key: batch_len(key, value) for key, value in batch.items()}
             if len(set(sizes.values())) > 1:
-                raise ValueError(f"from_batches: batch {i} has mismatched column sizes {sizes}.")
+                raise ValueError(
+                    f"from_batches: batch {i} has mismatched column sizes {sizes} (inconsistent "
+                    "logical row counts); give every column of a batch one entry per row."
+                )
         out = cls()
         for key in keys:
             ids = [i for i, (b, n) in enumerate(zip(batches, rows)) if key in b and n]
@@ -440,6 +493,23 @@ class SlicedDataDict(BatchedDataDict[Any]):
     a distinct type for readers and type checkers, otherwise a ``BatchedDataDict``."""
 
 
+def _fill_missing_packed(
+    batches: Sequence[Mapping[str, Any]], keys: list[str], rows: list[int]
+) -> list[Mapping[str, Any]]:
+    """``batches`` with each ``PackedTensor`` key (one that is a PackedTensor in every
+    batch holding it) added, as rows without that input, to the non-empty batches lacking
+    it."""
+    filled: list[Mapping[str, Any]] = list(batches)
+    for key in keys:
+        present = [b[key] for b in batches if key in b]
+        if not all(isinstance(v, PackedTensor) for v in present):
+            continue
+        for i, batch in enumerate(filled):
+            if key not in batch and rows[i]:
+                filled[i] = {**batch, key: PackedTensor.empty_rows_like(present[0], rows[i])}
+    return filled
+
+
 def _packed_hint(key: str, batches: Sequence[Mapping[str, Any]]) -> str:
     """How to fill a missing PackedTensor column, if ``key`` is one in some batch."""
     if any(isinstance(b.get(key), PackedTensor) for b in batches):
@@ -458,9 +528,10 @@ def _column_summary(value: Any) -> str:
     if isinstance(value, list):
         return f"list[{len(value)}]"
     if isinstance(value, PackedTensor):
-        present = value.present
-        dtype = _dtype_device(present[0]) if present else ""
-        return f"PackedTensor[{len(value)}, {len(present)} present]{dtype}"
+        present = sum(n > 0 for n in value.logical_segment_counts_by_row())
+        stored = [t for t in value.tensors if t is not None]
+        dtype = _dtype_device(stored[0]) if stored else ""
+        return f"PackedTensor[{len(value)}, {present} present]{dtype}"
     return type(value).__name__
 
 

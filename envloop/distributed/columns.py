@@ -40,13 +40,17 @@ def unsupported(key: str, value: Any) -> TypeError:
     )
 
 
-def deepcopy_sharing_images(item: Any, times: int) -> list[Any]:
+def deepcopy_sharing_images(
+    item: Any, times: int, also_shared: Mapping[int, Any] | None = None
+) -> list[Any]:
     """``times`` deep copies of ``item`` that share its image data: PIL images and encoded
     image buffers (``bytearray``, ``memoryview``; ``bytes`` are immutable and never copied)
     found in its dicts, lists and tuples are not copied, nor are the tensors of its
     ``PackedTensor`` values (``PackedTensor.__deepcopy__``). Everything else (e.g.
-    ``token_ids``, the content lists holding the images) is copied."""
+    ``token_ids``, the content lists holding the images) is copied. ``also_shared``: more
+    objects not to copy (id -> object, as ``media_sharing.prepare_media_sharing`` gives)."""
     shared = {id(data): data for data in _image_data(item)}
+    shared.update(also_shared or {})
     return [copy.deepcopy(item, dict(shared)) for _ in range(times)]
 
 

@@ -196,9 +196,10 @@ def test_a_packed_key_stored_otherwise_in_another_message_names_the_key():
     with pytest.raises(TypeError) as raised:
         message_log_to_flat_messages(log)
     assert str(raised.value) == (
-        "message 1: 'pixel_values' is a Tensor, but a PackedTensor in other messages of the "
-        "log. Store 'pixel_values' (a vision input) as a PackedTensor in every message that "
-        "has it, as get_formatted_message_log does."
+        "Packed multimodal key 'pixel_values' also contains non-packed values: ['Tensor'] "
+        "(message 1 of the log; other messages hold PackedTensors). Store 'pixel_values' (a "
+        "vision input) as a PackedTensor in every message that has it, as "
+        "get_formatted_message_log does."
     )
 
 
@@ -211,8 +212,9 @@ def test_a_packed_key_stored_otherwise_in_another_sample_names_the_key():
     with pytest.raises(TypeError) as raised:
         batched_message_log_to_flat_message(logs)
     assert str(raised.value) == (
-        "'pixel_values' is a PackedTensor in some samples and a list in samples [2]. Store "
-        "'pixel_values' as a PackedTensor in every message that has it."
+        "Packed multimodal key 'pixel_values' also contains non-packed values: ['list'] "
+        "(samples [2]; other samples hold PackedTensors). Store 'pixel_values' as a "
+        "PackedTensor in every message that has it."
     )
 
 
