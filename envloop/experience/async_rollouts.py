@@ -39,6 +39,7 @@ import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import EnvDispatcher, GroupResult, check_tasks_have_envs
+from envloop.experience.group_scoring import GroupGate
 from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.rollout_metrics import rollout_metrics, rollout_progress
 from envloop.experience.rollout_options import AsyncRolloutOptions
@@ -240,6 +241,9 @@ class SampleEngine:
         self.tasks: set[asyncio.Future[None]] = set()
         self.env_stages: dict[str, _Stage] = {}
         self.admitted: list[int] = []  # begun since the event loop's last turn
+        self.groups = GroupGate(
+            task_to_env, state, lambda i, eos: self._env_stage(state.task_names[i]).add(i, eos)
+        )
 
     def start(
         self, on_finished: Callable[[int], None], on_error: Callable[[BaseException], None]
@@ -255,6 +259,7 @@ class SampleEngine:
     def begin(self, i: int) -> None:
         """Start the sample in slot ``i`` (loaded into the state) on its first turn."""
         self.in_flight += 1
+        self.groups.begin(i)
         if not self.admitted:
             self.loop.call_soon(self._admit)
         self.admitted.append(i)
@@ -295,6 +300,7 @@ class SampleEngine:
         for i, end in zip(samples, ended):
             if end:
                 self.in_flight -= 1
+                self.groups.leave(i)
                 self.on_finished(i)
             else:
                 self.generation.add(i)
@@ -346,7 +352,7 @@ class SampleEngine:
             if error is not None:
                 failed.append(i)
             else:
-                self._env_stage(self.state.task_names[i]).add(i, eos)
+                self.groups.arrive(i, eos)  # held until its group is complete, if it scores groups
         if failed:
             self._next_turns(failed)  # ends them
 
