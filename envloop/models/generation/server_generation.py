@@ -208,7 +208,9 @@ class ServerGeneration(GenerationInterface):
 
     def request_stats(self) -> dict[str, Any]:
         """Counters of this backend's HTTP requests (``requests``, ``retries``,
-        ``failed_rows``, ``score_requests``) and each server's outstanding requests."""
+        ``failed_rows``, ``score_requests``: the follow-up requests its dialect sent to fill
+        log-probabilities a reply lacked, llama.cpp's scoring requests) and each server's
+        outstanding requests."""
         servers = {s.url: s.outstanding for s in self._client.router.servers}
         return {**self._client.counts, "outstanding": servers}
 
