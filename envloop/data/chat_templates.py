@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +49,11 @@ class COMMON_CHAT_TEMPLATES:  # NeMo-RL's name, kept so ported code runs unchang
     )
 
 
+class ToolsRequired(ValueError):
+    """A chat template that cannot render a conversation given no tool definitions (it
+    iterates over ``tools`` without checking that any were given)."""
+
+
 _USER_MARK = "\x00envloop-user\x00"
 _ASSISTANT_MARK = "\x00envloop-assistant\x00"
 _SLOT = "\x00envloop-slot\x00"
@@ -75,7 +81,7 @@ def render_chat(
         )
     except TypeError as exc:
         if tools is None and _renders_with_tools(tokenizer, plain, add_generation_prompt):
-            raise ValueError(
+            raise ToolsRequired(
                 f"The chat template of {type(tokenizer).__name__} cannot render a conversation "
                 f"without tool definitions: it iterates over `tools` without checking that "
                 f"any were given ({exc}). Give the conversation its tools, or use a template "
@@ -152,6 +158,12 @@ class ObservationRenderer:
         ]
         try:
             text = render_chat(self.tokenizer, conversation, add_generation_prompt=True)
+        except ToolsRequired as exc:
+            raise ToolsRequired(
+                f"{exc} Observations render without tool definitions: set "
+                "policy.chat_template to a template that guards them, or use "
+                "observation_format='raw'."
+            ) from exc
         except Exception as exc:
             raise ValueError(
                 f"The chat template cannot render an observation with role {role!r} after an "
@@ -161,7 +173,7 @@ class ObservationRenderer:
         _, found, after = text.partition(_ASSISTANT_MARK)
         if not found:
             raise ValueError("The chat template dropped the assistant message's content.")
-        if content_text_parts(content).strip() not in after:  # Qwen skips unknown roles
+        if not _shows(content_text_parts(content).strip(), after):  # Qwen skips unknown roles
             raise ValueError(
                 f"The chat template drops messages with role {role!r}, so the observation "
                 "would vanish from the sequence. Return observations with a role the template "
@@ -169,3 +181,14 @@ class ObservationRenderer:
                 "observation_role), or use observation_format='raw'."
             )
         return after
+
+
+def _shows(text: str, rendered: str) -> bool:
+    """Whether ``text`` appears in ``rendered`` as is, or JSON-escaped as a template writes it
+    through ``tojson`` (Llama 3.x and Cohere render tool results so: ``"a \\"b\\""``).
+
+    >>> _shows('a "b"', '<|python_tag|>"a \\"b\\""<|eot_id|>'), _shows("a", "<|eot_id|>")
+    (True, False)
+    """
+    escaped = (json.dumps(text, ensure_ascii=as_ascii)[1:-1] for as_ascii in (False, True))
+    return text in rendered or any(form in rendered for form in escaped)
