@@ -80,6 +80,10 @@ class StartGate:
                 late.add(key)
         return late
 
+    def known_started(self, actor: Any) -> bool:
+        """Whether ``actor`` is known started (a :meth:`wait` for it returns at once)."""
+        return actor._actor_id.binary() in self._started
+
     def forget(self, actor: Any) -> None:
         """``actor`` is restarting: the next :meth:`wait` waits for its new constructor, with
         a deadline of its own."""

@@ -1,37 +1,39 @@
-"""Step every task group's environment concurrently; failures become per-sample data.
+"""Step environments for a rollout; failures become per-sample data.
 
-One call per environment per turn: samples are grouped by ``task_name``, every group's
-``step`` is started at once (a Ray actor call, or a thread for an in-process environment),
-and the results are collected against one deadline. A step that raises or times out fails
-its whole group; a step that returns ``errors`` (e.g. a
-:class:`~envloop.environments.sample_environment.SampleEnvironment` whose method raised on
-one sample), or a NaN or infinite reward for a sample, fails only those samples: each
-becomes a one-sample group with its error.
+One path serves every kind of call. :meth:`EnvDispatcher.astep` steps one task's
+environment on some samples with one call (``step``, or ``step_stream`` for an environment
+that hands back each sample as it finishes; on a Ray actor or in process, see
+:mod:`envloop.experience.env_calls`) and delivers each result as it comes, with the timeout,
+the retries after an actor restart, the contract checks and the error policy. The sync engine
+steps every task group of a turn at once through :meth:`EnvDispatcher.step` (the same path,
+on an event loop of its own); the async engine awaits :meth:`EnvDispatcher.astep` on its
+own loop.
+
+A step that raises or times out fails the samples it has not delivered; a step that returns
+``errors`` (e.g. a :class:`~envloop.environments.sample_environment.SampleEnvironment` whose
+method raised on one sample), or a NaN or infinite reward for a sample, fails only those
+samples: each becomes a one-sample group with its error.
 
 Every wait is bounded: an actor's start-up by the start-up timeout (an environment that does
-not start in time fails its samples), a step by the step timeout. An actor whose step timed
-out is restarted before it serves another step (:mod:`envloop.experience.env_actors`); an
-in-process step that timed out is abandoned on a daemon thread, which never keeps the
-interpreter from exiting.
+not start in time fails its samples), a step by the step timeout (a retry after an actor
+restart gets a timeout of its own). An actor whose step timed out is restarted before it
+serves another step (:mod:`envloop.experience.env_actors`); an in-process step that timed
+out is abandoned on a daemon thread, which never keeps the interpreter from exiting.
 """
 
 from __future__ import annotations
 
-import copy
+import asyncio
 import math
-import queue
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import AsyncIterator, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 
 from envloop.distributed.daemon_threads import DaemonThreadPool
 from envloop.distributed.ray_utils import is_actor
@@ -43,10 +45,20 @@ from envloop.environments.contract import (
 )
 from envloop.environments.interfaces import EnvironmentReturn
 from envloop.environments.registry import unknown_name_message
-from envloop.experience.env_actors import StartGate, retire_stuck_actor
+from envloop.experience.env_actors import StartGate
+from envloop.experience.env_calls import (
+    ActorTimeout,
+    Item,
+    actor_step,
+    actor_step_stream,
+    thread_step,
+    thread_step_stream,
+)
 from envloop.experience.rollout_options import RolloutSettings
 
 DEFAULT_STARTUP_TIMEOUT_S: float = RolloutSettings.model_fields["env_startup_timeout_s"].default
+
+T = TypeVar("T")
 
 
 class EnvironmentStepError(RuntimeError):
@@ -79,7 +91,8 @@ def check_tasks_have_envs(task_names: list[str], task_to_env: dict[str, Any]) ->
 
 
 class EnvDispatcher:
-    """Runs environment steps for a rollout; holds the thread pool for in-process envs."""
+    """Runs environment steps for a rollout; holds the threads of in-process steps
+    (at most ``max_threads`` at once; None: one per step in flight)."""
 
     def __init__(
         self,
@@ -88,56 +101,38 @@ class EnvDispatcher:
         on_error: str = "record",
         max_retries: int = 1,
         startup_timeout_s: float | None = DEFAULT_STARTUP_TIMEOUT_S,
+        max_threads: int | None = None,
     ) -> None:
         self.task_to_env = task_to_env
         self.timeout_s = _limit(timeout_s)
         self.startup_timeout_s = _limit(startup_timeout_s)
         self.on_error = on_error
         self.max_retries = max_retries
+        self.max_threads = max_threads
         self._pool: DaemonThreadPool | None = None
         self._gate = StartGate(self.startup_timeout_s)
         self._not_started: dict[str, str] = {}  # task -> why its samples fail
 
     @classmethod
-    def from_options(cls, task_to_env: dict[str, Any], options: Any) -> EnvDispatcher:
+    def from_options(
+        cls, task_to_env: dict[str, Any], options: Any, max_threads: int | None = None
+    ) -> EnvDispatcher:
         """A dispatcher with the timeouts, error policy and retries of rollout ``options``
         (:class:`~envloop.experience.rollout_options.RolloutSettings`)."""
         return cls(
             task_to_env, options.env_step_timeout_s, options.on_env_error,
-            options.env_max_retries, options.env_startup_timeout_s,
+            options.env_max_retries, options.env_startup_timeout_s, max_threads,
         )  # fmt: skip
 
     def step(
         self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
     ) -> list[GroupResult]:
         """Step each group's environment on its samples' logs and metadata, concurrently
-        (first waiting for new actors to start, unless :meth:`wait_until_started` did). The
-        groups of an environment that did not start in time fail at once."""
+        (first waiting for new actors to start, unless :meth:`wait_until_started` did): the
+        results of each group, groups in order. The groups of an environment that did not
+        start in time fail at once."""
         self.wait_until_started(groups)
-        started = {t: idx for t, idx in groups.items() if t not in self._not_started}
-        pending = {
-            task: self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
-            for task, idx in started.items()
-        }
-        deadline = self._deadline()
-        results = []
-        for task, idx in groups.items():
-            result = GroupResult(task, idx)
-            try:
-                if task in self._not_started:
-                    raise _NotStarted(self._not_started[task])
-                ret = self._collect(task, pending[task], deadline, env_logs, metadata, idx)
-                result.result = _validated(task, ret, len(idx))
-            except Exception as exc:
-                result.error = self._failure(task, exc)
-            results += self._split_sample_errors(result)
-        return results
-
-    def streams(self, task: str) -> bool:
-        """Whether ``task``'s environment hands back each sample as it finishes
-        (``step_stream``, as every :class:`SampleEnvironment` does, in process or as an
-        actor)."""
-        return hasattr(self.task_to_env[task], "step_stream")
+        return run_blocking(self._step_groups(groups, env_logs, metadata))
 
     def step_stream(
         self,
@@ -147,19 +142,38 @@ class EnvDispatcher:
         metadata: list[Any],
         deliver: Callable[[GroupResult], None],
     ) -> None:
-        """Step ``task``'s environment on ``samples`` (one call, see :meth:`streams`) and
-        ``deliver`` each sample's result the moment it comes: the timeout, retries after
-        an actor restart, contract checks and error policy of :meth:`step`, per sample (a
-        timeout or a step that raised fails the samples not delivered yet)."""
+        """:meth:`astep`, from a caller without an event loop (blocks until it is done)."""
         self.wait_until_started({task: samples})
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        run_blocking(self.astep(task, samples, env_logs, metadata, deliver))
+
+    def streams(self, task: str) -> bool:
+        """Whether ``task``'s environment hands back each sample as it finishes
+        (``step_stream``, as every :class:`SampleEnvironment` does, in process or as an
+        actor)."""
+        return hasattr(self.task_to_env[task], "step_stream")
+
+    async def astep(
+        self,
+        task: str,
+        samples: list[int],
+        env_logs: list[list[dict]],
+        metadata: list[Any],
+        deliver: Callable[[GroupResult], None],
+    ) -> None:
+        """Step ``task``'s environment on ``samples`` with one call and ``deliver`` each
+        result the moment it comes (all at once from a batched ``step``, one by one from
+        ``step_stream``): contract checks and ``errors`` per sample; a call that raises or
+        times out fails the samples not delivered yet; a call whose actor died is sent again
+        for those (``max_retries``) once Ray has restarted the actor. New actors are waited
+        for first (bounded by the start-up timeout)."""
+        await self._started(task)
         left = list(range(len(samples)))
         for attempt in range(self.max_retries + 1):
             rows = list(left)  # this attempt's call steps these, in this order
             try:
-                for positions, value in self._stream(
-                    task, rows, samples, env_logs, metadata, deadline
-                ):
+                if task in self._not_started:
+                    raise _NotStarted(self._not_started[task])
+                async for positions, value in self._call(task, rows, samples, env_logs, metadata):
                     done = [rows[p] for p in positions]
                     for row in done:
                         left.remove(row)
@@ -173,57 +187,11 @@ class EnvDispatcher:
                 return
             except Exception as exc:
                 if attempt < self.max_retries and isinstance(exc, RayActorError):
-                    self._await_restart(task)
+                    await asyncio.to_thread(self._await_restart, task)
                     continue
-                deliver(
-                    GroupResult(task, [samples[r] for r in left], error=self._failure(task, exc))
-                )
+                error = self._failure(task, exc)
+                deliver(GroupResult(task, [samples[r] for r in left], error=error))
                 return
-
-    def _stream(
-        self,
-        task: str,
-        rows: list[int],
-        samples: list[int],
-        env_logs: list[list[dict]],
-        metadata: list[Any],
-        deadline: float | None,
-    ) -> Iterator[tuple[list[int], Any]]:
-        """``(positions in rows, their return)`` from one ``step_stream`` call, as they come;
-        raises TimeoutError at ``deadline``."""
-        env = self.task_to_env[task]
-        logs = [env_logs[samples[r]] for r in rows]
-        mds = [metadata[samples[r]] for r in rows]
-        if is_actor(env):
-            sent_at = time.monotonic()
-            stream = env.astep_stream.options(num_returns="streaming").remote(logs, mds)
-            while True:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, _ = ray.wait([stream], timeout=remaining)
-                if not ready:
-                    self._retire(task, stream, sent_at)
-                    raise _ActorTimeout
-                try:
-                    ref = next(stream)
-                except StopIteration:
-                    return
-                yield ray.get(ref)
-        items: queue.Queue[tuple[list[int], Any] | BaseException | None] = queue.Queue()
-        stream = env.step_stream(copy.deepcopy(logs), copy.deepcopy(mds))
-        # A daemon thread: one stuck on a sample that overran the timeout must not keep
-        # the interpreter from exiting (a pool's threads are joined at exit).
-        threading.Thread(target=_drain_into, args=(stream, items), daemon=True).start()
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                item = items.get(timeout=remaining)
-            except queue.Empty:
-                raise TimeoutError from None
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
     def shutdown(self) -> None:
         """Stop the thread pool without waiting for steps that overran their timeout (their
@@ -252,27 +220,52 @@ class EnvDispatcher:
                     "raise env_startup_timeout_s if it needs longer, or fix what it waits for"
                 )
 
-    def _submit(self, task: str, logs: list[list[dict]], metadata: list[Any]) -> _Call:
+    async def _started(self, task: str) -> None:
+        """:meth:`wait_until_started` for ``task``, on a thread when its actor is not known
+        started (the event loop never blocks on a constructor)."""
         env = self.task_to_env[task]
+        if is_actor(env) and not self._gate.known_started(env):
+            await asyncio.to_thread(self.wait_until_started, {task: []})
+
+    async def _step_groups(
+        self, groups: dict[str, list[int]], env_logs: list[list[dict]], metadata: list[Any]
+    ) -> list[GroupResult]:
+        delivered: dict[str, list[GroupResult]] = {task: [] for task in groups}
+        calls = [
+            asyncio.ensure_future(self.astep(task, idx, env_logs, metadata, delivered[task].append))
+            for task, idx in groups.items()
+        ]
+        try:
+            await asyncio.gather(*calls)
+        finally:  # on_error="raise": the first error ends the others
+            for call in calls:
+                call.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+        return [result for task in groups for result in delivered[task]]
+
+    def _call(
+        self,
+        task: str,
+        rows: list[int],
+        samples: list[int],
+        env_logs: list[list[dict]],
+        metadata: list[Any],
+    ) -> AsyncIterator[Item]:
+        """One call of ``task``'s environment on the samples at ``rows``, with a deadline of
+        its own: its items as they come."""
+        env = self.task_to_env[task]
+        logs = [env_logs[samples[r]] for r in rows]
+        mds = [metadata[samples[r]] for r in rows]
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         if is_actor(env):
-            return _Call(env.step.remote(logs, metadata), time.monotonic())
-        # Copies, so an in-process environment sees what an actor would: its own objects.
+            if self.streams(task):
+                return actor_step_stream(env, logs, mds, deadline)
+            return actor_step(env, logs, mds, deadline)
+        if self.streams(task):
+            return thread_step_stream(env, logs, mds, deadline)
         if self._pool is None:
-            # One thread per step in flight (their callers bound how many): a step abandoned
-            # at its timeout must not hold a slot that later steps wait for.
-            self._pool = DaemonThreadPool(None, "envloop-env")
-        step = self._pool.submit(env.step, copy.deepcopy(logs), copy.deepcopy(metadata))
-        return _Call(step, time.monotonic())
-
-    def _deadline(self) -> float | None:
-        return None if self.timeout_s is None else time.monotonic() + self.timeout_s
-
-    def _retire(self, task: str, call: Any, sent_at: float) -> None:
-        """``task``'s actor overran a step: cancel the call and restart the actor, so that no
-        later call queues behind the hung step; wait for the new actor before the next step."""
-        env = self.task_to_env[task]
-        retire_stuck_actor(env, call, sent_at)
-        self._gate.forget(env)
+            self._pool = DaemonThreadPool(self.max_threads, "envloop-env")
+        return thread_step(self._pool, env, logs, mds, deadline)
 
     def _await_restart(self, task: str) -> None:
         """``task``'s actor died: wait (bounded) for Ray to restart it before a retry (an
@@ -280,41 +273,6 @@ class EnvDispatcher:
         if is_actor(self.task_to_env[task]):
             self._gate.forget(self.task_to_env[task])
             self.wait_until_started({task: []})
-
-    def _collect(
-        self,
-        task: str,
-        call: _Call,
-        deadline: float | None,
-        env_logs: list[list[dict]],
-        metadata: list[Any],
-        idx: list[int],
-    ) -> Any:
-        """The result of ``call``, a step of ``task``'s environment, by ``deadline``; a step
-        whose actor died is retried (``max_retries``) once Ray has restarted the actor, with
-        a deadline of its own."""
-        for attempt in range(self.max_retries + 1):
-            try:
-                return self._wait(task, call, deadline)
-            except Exception as exc:
-                if attempt == self.max_retries or not isinstance(exc, RayActorError):
-                    raise
-                self._await_restart(task)
-                if task in self._not_started:
-                    raise _NotStarted(self._not_started[task]) from exc
-                call = self._submit(task, [env_logs[i] for i in idx], [metadata[i] for i in idx])
-                deadline = self._deadline()
-        raise AssertionError("unreachable")
-
-    def _wait(self, task: str, call: _Call, deadline: float | None) -> Any:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if isinstance(call.handle, Future):
-            return call.handle.result(timeout=remaining)
-        try:
-            return ray.get(call.handle, timeout=remaining)
-        except GetTimeoutError:
-            self._retire(task, call.handle, call.sent_at)
-            raise _ActorTimeout from None
 
     def _split_sample_errors(self, group: GroupResult) -> list[GroupResult]:
         """``group`` as is when its result has no per-sample ``errors``; else the samples
@@ -337,13 +295,15 @@ class EnvDispatcher:
         return [GroupResult(task, [group.indices[j] for j in ok], select_rows(ret, ok)), *failed]
 
     def _failure(self, task: str, exc: BaseException) -> str:
-        if isinstance(exc, _ActorTimeout):
+        """The error text of ``exc`` for ``task``'s samples (raised as
+        :class:`EnvironmentStepError` with ``on_error="raise"``)."""
+        if isinstance(exc, ActorTimeout):
             text = (
                 f"env {task}.step timed out after {self.timeout_s} s; its actor was killed for "
                 "Ray to restart (Ray cannot stop a running step, and later steps would queue "
                 "behind it)"
             )
-        elif isinstance(exc, (TimeoutError, FutureTimeout, GetTimeoutError)):
+        elif isinstance(exc, TimeoutError):
             text = f"env {task}.step timed out after {self.timeout_s} s"
         elif isinstance(exc, (_ContractError, _NotStarted)):
             text = str(exc)
@@ -362,16 +322,23 @@ class _NotStarted(RuntimeError):
     pass
 
 
-class _ActorTimeout(TimeoutError):
-    """An actor's step timed out, and the actor was killed for Ray to restart."""
+def run_blocking(work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` to its end on an event loop of its own and return what it returns: in
+    this thread, or in a helper thread when this thread runs an event loop already."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return _run_on_new_loop(work)
+    with ThreadPoolExecutor(1, thread_name_prefix="envloop-env-loop") as thread:
+        return thread.submit(_run_on_new_loop, work).result()
 
 
-@dataclass
-class _Call:
-    """A step in flight: a Ray ``ObjectRef`` or an in-process ``Future``, and when it was sent."""
-
-    handle: Any
-    sent_at: float
+def _run_on_new_loop(work: Coroutine[Any, Any, T]) -> T:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(work)
+    finally:
+        loop.close()
 
 
 def _limit(seconds: float | None) -> float | None:
@@ -425,19 +392,6 @@ def select_rows(ret: EnvironmentReturn, rows: list[int]) -> EnvironmentReturn:
         terminateds=ret.terminateds[index],
         answers=None if ret.answers is None else [ret.answers[j] for j in rows],
     )
-
-
-def _drain_into(
-    stream: Iterator[tuple[list[int], Any]],
-    items: queue.Queue[tuple[list[int], Any] | BaseException | None],
-) -> None:
-    """Put each item of ``stream`` into ``items``, then None (or the exception it raised)."""
-    try:
-        for item in stream:
-            items.put(item)
-        items.put(None)
-    except BaseException as exc:
-        items.put(exc)
 
 
 def _format_exception(exc: BaseException) -> str:
