@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,14 @@ from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, SampleEngine
 from envloop.experience.env_dispatch import check_tasks_have_envs
 from envloop.experience.phase_timer import TIMING_PHASES, PhaseTimer
-from envloop.experience.rollout_options import AsyncRolloutOptions
+from envloop.experience.rollout_metrics import RolloutProgress
+from envloop.experience.rollout_options import (
+    DEFAULTS,
+    AsyncRolloutOptions,
+    ObservationFormat,
+    OnEnvError,
+    options_from_arguments,
+)
 from envloop.experience.rollout_results import slot_rows
 from envloop.experience.rollout_state import RolloutState, check_limits
 from envloop.models.generation.interfaces import GenerationInterface
@@ -115,9 +122,12 @@ class ExperienceStream:
             group_size``).
         filter_groups: drop groups without reward signal as they finish and admit more
             prompts in their place (DAPO's dynamic sampling); needs ``group_size >= 2``.
-        **options: those of ``run_async_multi_turn_rollout``
+        observation_format, env_step_timeout_s, env_startup_timeout_s, on_env_error,
+            env_max_retries, on_turn, max_concurrent_samples, coalesce_window_s,
+            max_coalesced_samples: the options of ``run_async_multi_turn_rollout``
             (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`);
-            ``max_concurrent_samples`` defaults to 64 here.
+            ``max_concurrent_samples`` None means 64 here. Any other keyword fails with a
+            ``ConfigError`` that names the closest option.
     """
 
     def __init__(
@@ -134,9 +144,18 @@ class ExperienceStream:
         max_staleness: int | None = None,
         max_buffered_groups: int | None = None,
         filter_groups: bool = False,
-        **options: Any,
+        observation_format: ObservationFormat = DEFAULTS.observation_format,
+        env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
+        env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
+        on_env_error: OnEnvError = DEFAULTS.on_env_error,
+        env_max_retries: int = DEFAULTS.env_max_retries,
+        on_turn: Callable[[RolloutProgress], None] | None = None,
+        max_concurrent_samples: int | None = DEFAULTS.max_concurrent_samples,
+        coalesce_window_s: float = DEFAULTS.coalesce_window_s,
+        max_coalesced_samples: int = DEFAULTS.max_coalesced_samples,
+        **unknown: Any,
     ) -> None:
-        self.options = AsyncRolloutOptions.from_mapping(options)
+        self.options = options_from_arguments(AsyncRolloutOptions, locals(), unknown)
         check_limits(max_seq_len, max_rollout_turns)
         _check_stream_args(group_size, max_staleness, max_buffered_groups, filter_groups)
         concurrent = self.options.max_concurrent_samples or DEFAULT_MAX_CONCURRENT_SAMPLES

@@ -95,3 +95,22 @@ class AsyncRolloutOptions(AsyncRolloutSettings, RolloutOptions, title="async rol
     envloop.config.errors.ConfigError: Invalid async rollout options:
       - max_concurrent_samples: must be >= 1, got 0
     """
+
+
+DEFAULTS = AsyncRolloutSettings()
+"""Every option's declared default (the engines' keyword-only parameters take their
+defaults from here, so each is declared once).
+
+>>> DEFAULTS.coalesce_window_s
+0.002
+"""
+
+
+def options_from_arguments(
+    options: type[RolloutOptions], arguments: dict[str, Any], unknown: dict[str, Any]
+) -> Any:
+    """``options`` (:class:`RolloutOptions` or :class:`AsyncRolloutOptions`) validated from
+    a call's ``arguments`` (its ``locals()``: the values of the options it declares) and
+    the ``unknown`` keywords it was given besides, which fail with "did you mean"."""
+    values = {name: arguments[name] for name in options.model_fields if name in arguments}
+    return options.from_mapping({**values, **unknown})

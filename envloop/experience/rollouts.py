@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,14 @@ from envloop.experience.experience_stream import ExperienceStream
 from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.rollout_call import RolloutCall
 from envloop.experience.rollout_metrics import RolloutProgress, rollout_metrics, rollout_progress
-from envloop.experience.rollout_options import RolloutOptions
+from envloop.experience.rollout_options import (
+    DEFAULTS,
+    AsyncRolloutOptions,
+    ObservationFormat,
+    OnEnvError,
+    RolloutOptions,
+    options_from_arguments,
+)
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
@@ -69,7 +77,14 @@ def run_multi_turn_rollout(
     max_seq_len: int,
     max_rollout_turns: int = 999999,
     greedy: bool = False,
-    **options: Any,
+    *,
+    observation_format: ObservationFormat = DEFAULTS.observation_format,
+    env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
+    env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
+    on_env_error: OnEnvError = DEFAULTS.on_env_error,
+    env_max_retries: int = DEFAULTS.env_max_retries,
+    on_turn: Callable[[RolloutProgress], None] | None = None,
+    **unknown: Any,
 ) -> tuple[BatchedDataDict[Any], dict[str, Any]]:
     """Run every sample until its environment ends it, it reaches ``max_seq_len``, or
     ``max_rollout_turns`` turns have passed.
@@ -82,9 +97,10 @@ def run_multi_turn_rollout(
         max_seq_len: no sample ever exceeds this many tokens.
         max_rollout_turns: turns (generation + environment step) per sample at most.
         greedy: greedy decoding instead of sampling.
-        **options: see :class:`~envloop.experience.rollout_options.RolloutOptions`
-            (``observation_format``, ``env_step_timeout_s``, ``on_env_error``,
-            ``env_max_retries``, ``on_turn``).
+        observation_format, env_step_timeout_s, env_startup_timeout_s, on_env_error,
+            env_max_retries, on_turn: the rollout options, each described in
+            :class:`~envloop.experience.rollout_options.RolloutOptions`; any other keyword
+            fails with a ``ConfigError`` that names the closest option.
 
     Returns:
         ``(final_batch, metrics)``: the input batch (not mutated) with extended
@@ -100,7 +116,7 @@ def run_multi_turn_rollout(
         sample's generated tokens (-1 for a sample that generated none; each assistant
         message's ``generation_policy_versions`` [n] int32 holds every token's).
     """
-    opts = RolloutOptions.from_mapping(options)
+    opts = options_from_arguments(RolloutOptions, locals(), unknown)
     check_limits(max_seq_len, max_rollout_turns)
     state = RolloutState.start(input_batch, tokenizer, max_seq_len)
     check_tasks_have_envs(state.task_names, task_to_env)
@@ -131,7 +147,17 @@ def run_async_multi_turn_rollout(
     max_seq_len: int,
     max_rollout_turns: int = 999999,
     greedy: bool = False,
-    **options: Any,
+    *,
+    observation_format: ObservationFormat = DEFAULTS.observation_format,
+    env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
+    env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
+    on_env_error: OnEnvError = DEFAULTS.on_env_error,
+    env_max_retries: int = DEFAULTS.env_max_retries,
+    on_turn: Callable[[RolloutProgress], None] | None = None,
+    max_concurrent_samples: int | None = DEFAULTS.max_concurrent_samples,
+    coalesce_window_s: float = DEFAULTS.coalesce_window_s,
+    max_coalesced_samples: int = DEFAULTS.max_coalesced_samples,
+    **unknown: Any,
 ) -> RolloutCall:
     """:func:`run_multi_turn_rollout` with every sample running its own turn loop: a sample
     generates, steps its environment and goes on the moment its own previous step is done
@@ -145,16 +171,17 @@ def run_async_multi_turn_rollout(
     ``RuntimeError`` that says so); ``asyncio.run(run_async_multi_turn_rollout(...))`` works
     too (see :class:`~envloop.experience.rollout_call.RolloutCall`).
 
-    ``**options`` are those of ``run_multi_turn_rollout`` plus ``max_concurrent_samples``,
+    The options are those of ``run_multi_turn_rollout`` plus ``max_concurrent_samples``,
     ``coalesce_window_s`` and ``max_coalesced_samples``
     (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`), checked when the
     call is made. To use samples or GRPO groups as they finish, iterate over a
     :class:`RolloutStream` instead; this function runs one to its end and returns the batch
     in input order.
     """
+    opts = options_from_arguments(AsyncRolloutOptions, locals(), unknown)
     stream = RolloutStream(
         policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns,
-        greedy, **options,
+        greedy, **dict(opts),
     )  # fmt: skip
     return RolloutCall(_run_to_end(stream))
 
