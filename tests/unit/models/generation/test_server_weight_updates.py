@@ -32,6 +32,7 @@ import torch
 from aiohttp import web
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.distributed.loop_thread import LoopThread
 from envloop.models.generation.server_dialects import LlamaCppDialect
 from envloop.models.generation.server_generation import ServerGeneration, WeightUpdateFailed
 
@@ -112,8 +113,8 @@ class RecordedServer:
         self.log: list[str] = []
         self.generation_arrived = threading.Event()
         self.fail_next_generation = False
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._loop.run_forever, daemon=True).start()
+        self._thread = LoopThread("recorded-server")
+        self._loop = self._thread.loop
         self._released = self._run(self._event())
         self._runner: web.AppRunner | None = None
         self.url = self._run(self._start())
@@ -128,10 +129,10 @@ class RecordedServer:
         self.release()
         if self._runner is not None:
             self._run(self._runner.cleanup())
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.close(wait=True)
 
     def _run(self, call: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(call, self._loop).result(timeout=10)
+        return self._thread.submit(call).result(timeout=10)
 
     async def _event(self) -> asyncio.Event:
         event = asyncio.Event()
