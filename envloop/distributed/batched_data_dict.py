@@ -515,7 +515,8 @@ def _packed_hint(key: str, batches: Sequence[Mapping[str, Any]]) -> str:
     if any(isinstance(b.get(key), PackedTensor) for b in batches):
         return (
             f" {key!r} is a PackedTensor: a batch whose samples lack it holds "
-            "PackedTensor([None] * rows, dim_to_pack)."
+            "PackedTensor([None] * rows, dim_to_pack), or pass "
+            "allow_missing_packed_tensors=True."
         )
     return ""
 

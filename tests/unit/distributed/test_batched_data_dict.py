@@ -563,3 +563,95 @@ def test_repeat_interleave_every_kth_row_is_the_original(batch, num_repeats):
     for j, item in enumerate(out["items"]):
         item.append(f"mutated {j}")
     assert batch["items"] == before
+
+
+# --- deduplicated media through row operations ---------------------------------------------
+
+
+def _grpo_media_batch() -> tuple[BatchedDataDict, list[list[torch.Tensor]]]:
+    """3 prompts x 4 generations: each row references its prompt's image (stored once per
+    prompt); odd generations also hold an image of their own (a second turn)."""
+    from envloop.distributed.packed_tensor import PackedTensor
+
+    prompts = [
+        PackedTensor(torch.full((p + 1, 3), float(p)), 0).enable_deduplication() for p in range(3)
+    ]
+    rows, expected = [], []
+    for p, prompt in enumerate(prompts):
+        for g in range(4):
+            own = [torch.full((1, 3), 10.0 * p + g)] if g % 2 else []
+            rows.append(PackedTensor.merge_segments([prompt, *(PackedTensor(t, 0) for t in own)]))
+            expected.append([prompt.tensors[0], *own])
+    lengths = [3 + (i * 5) % 7 for i in range(12)]
+    batch = BatchedDataDict(
+        {
+            "sid": torch.arange(12),
+            "input_ids": torch.tensor([[i] * 9 for i in range(12)]),
+            "input_lengths": torch.tensor(lengths),
+            "pixel_values": PackedTensor.flattened_concat(rows),
+        }
+    )
+    return batch, expected
+
+
+def _assert_media_aligned(batch: BatchedDataDict, expected: list[list[torch.Tensor]]) -> None:
+    pixels = batch["pixel_values"]
+    assert len(pixels) == batch.size
+    wanted = {id(t): t for sid in batch["sid"].tolist() for t in expected[sid]}
+    assert sorted(map(id, pixels.tensors)) == sorted(wanted)  # each referenced image once
+    for row, sid in enumerate(batch["sid"].tolist()):
+        assert torch.equal(pixels[row], torch.cat(expected[sid]))
+
+
+def test_deduplicated_media_stays_aligned_and_stored_once_per_shard():
+    batch, expected = _grpo_media_batch()
+    assert len(batch["pixel_values"].tensors) == 3 + 6
+    _assert_media_aligned(batch, expected)
+    dynamic = {
+        "max_tokens_per_microbatch": 18,
+        "sequence_length_round": 2,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+    }
+    packing = {
+        "max_tokens_per_microbatch": 16,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "algorithm": "modified_first_fit_decreasing",
+        "sequence_length_pad_multiple": 4,
+    }
+    plain = batch.shard_by_batch_size(2, batch_size=6)
+    with_dynamic, _ = batch.shard_by_batch_size(2, dynamic_batching_args=dynamic)
+    with_packing, order = batch.shard_by_batch_size(2, sequence_packing_args=packing)
+    for shards in (plain, with_dynamic, with_packing):
+        for shard in shards:
+            _assert_media_aligned(shard, expected)
+        _assert_media_aligned(BatchedDataDict.from_batches(shards), expected)
+    joined = BatchedDataDict.from_batches(with_packing)
+    joined.reorder_data(order)
+    assert joined["sid"].tolist() == list(range(12))
+    _assert_media_aligned(joined, expected)
+    for part in (
+        batch.chunk(rank=1, chunks=3),
+        batch.select_indices([11, 0, 4, 4]),
+        batch.slice(2, 7),
+    ):
+        _assert_media_aligned(part, expected)
+    assert len(batch.chunk(rank=0, chunks=3)["pixel_values"].tensors) == 1 + 2  # prompt 0
+
+
+def test_from_batches_can_fill_a_media_key_that_some_batches_lack():
+    from envloop.distributed.packed_tensor import PackedTensor
+
+    audio = PackedTensor(torch.ones(1, 5), 0).enable_deduplication()
+    image = PackedTensor(torch.zeros(2, 3), 0).enable_deduplication()
+    images = BatchedDataDict(
+        {"input_ids": torch.ones(2, 2), "pixel_values": PackedTensor.concat([image] * 2)}
+    )
+    sounds = BatchedDataDict({"input_ids": torch.ones(1, 2), "audio_values": audio})
+    with pytest.raises(KeyError, match="or pass allow_missing_packed_tensors=True"):
+        BatchedDataDict.from_batches([images, sounds])
+    joined = BatchedDataDict.from_batches([images, sounds], allow_missing_packed_tensors=True)
+    assert joined["pixel_values"].logical_segment_counts_by_row() == [1, 1, 0]
+    assert joined["audio_values"].logical_segment_counts_by_row() == [0, 0, 1]
+    assert len(joined["pixel_values"].tensors) == 1

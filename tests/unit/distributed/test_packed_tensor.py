@@ -355,7 +355,7 @@ def test_from_batches_rejects_a_missing_packed_key_naming_it():
         "non-empty batch needs every key (only empty batches may omit keys); add "
         "'pixel_values' to those batches or drop it from the others. 'pixel_values' is a "
         "PackedTensor: a batch whose samples lack it holds PackedTensor([None] * rows, "
-        "dim_to_pack)."
+        "dim_to_pack), or pass allow_missing_packed_tensors=True."
     )
 
 
@@ -593,3 +593,227 @@ def test_repeat_interleave_never_copies_image_data(patch_counts, repeats):
         assert storage(pixels) == storage(want.pixels)
         assert [storage(t) for t in message["pixel_values"]] == list(map(storage, want.per_image))
     _assert_aligned(out, samples)
+
+
+# --- deduplicated (segmented) layout ------------------------------------------------------
+
+
+def _shared(sample: int, count: int = 2) -> PackedTensor:
+    """One row holding sample ``sample``'s image, with provenance (``enable_deduplication``)."""
+    return PackedTensor(_patches(sample, count), dim_to_pack=0).enable_deduplication()
+
+
+def test_a_deduplicated_image_repeated_in_every_row_is_stored_once():
+    image = _shared(0)
+    group = PackedTensor.concat([image, copy.deepcopy(image), image.slice([0]), image])
+    assert len(group) == 4 and group.deduplication_enabled
+    assert len(group.tensors) == 1 and group.tensors[0] is image.tensors[0]
+    assert group.logical_segment_counts_by_row() == [1, 1, 1, 1]
+    assert all(row is image.tensors[0] for row in group)
+    assert torch.equal(group.as_tensor(), image.tensors[0].repeat(4, 1))
+
+
+def test_equal_values_of_different_images_are_not_merged():
+    a, b = _shared(0), _shared(0)  # same values, different images (no common provenance)
+    joined = PackedTensor.concat([a, b, a])
+    assert len(joined.tensors) == 2
+    assert joined._segment_indices == [0, 1, 0]
+
+
+def test_the_same_tensor_object_is_stored_once_even_without_common_provenance():
+    t = _patches(1, 3)
+    joined = PackedTensor.concat(
+        [PackedTensor(t, 0).enable_deduplication(), PackedTensor(t, 0).enable_deduplication()]
+    )
+    assert joined.tensors == [t]
+
+
+def test_multi_turn_rows_share_the_prompt_image_and_keep_their_own():
+    prompt = _shared(0)
+    turn_1, turn_2 = _patches(1, 1), _patches(2, 3)
+    rows = [
+        PackedTensor.merge_segments([copy.deepcopy(prompt), PackedTensor(turn_1, 0)]),
+        PackedTensor.merge_segments([copy.deepcopy(prompt), PackedTensor(turn_2, 0)]),
+        PackedTensor.merge_segments([copy.deepcopy(prompt)]),
+    ]
+    assert [len(r) for r in rows] == [1, 1, 1]
+    batch = PackedTensor.flattened_concat([*rows, None])
+    assert len(batch) == 4 and len(batch.tensors) == 3
+    assert batch.logical_segment_counts_by_row() == [2, 2, 1, 0]
+    p = prompt.tensors[0]
+    assert torch.equal(batch[0], torch.cat([p, turn_1])) and torch.equal(
+        batch[1], torch.cat([p, turn_2])
+    )
+    assert batch[2] is p and batch[3] is None and batch[-1] is None
+    assert torch.equal(batch.as_tensor(), torch.cat([p, turn_1, p, turn_2, p]))
+    second = batch.slice([1])
+    assert second.tensors == [p, turn_2] and torch.equal(second.as_tensor(), batch[1])
+    with pytest.raises(IndexError, match="row 4 is out of range for 4 rows"):
+        batch[4]
+
+
+def test_plain_values_merge_per_message_and_flatten_to_one_concatenated_row():
+    a, b = _patches(0, 1), _patches(0, 2)
+    merged = PackedTensor.merge_segments([_packed(a), _packed(b)])
+    assert not merged.segmented and _same_items(merged, [a, b])
+    flat = PackedTensor.flattened_concat([merged])
+    assert len(flat) == 1 and torch.equal(flat[0], torch.cat([a, b]))
+
+
+def test_slicing_a_deduplicated_value_keeps_only_the_segments_its_rows_reference():
+    a, b = _shared(0), _shared(1)
+    batch = PackedTensor.concat([a, a, b, b])
+    assert [len(batch.slice(rows).tensors) for rows in ([0, 1], [2], [3, 0, -1], [])] == [
+        1,
+        1,
+        2,
+        0,
+    ]
+    picked = batch.slice(torch.tensor([3, 0]))
+    assert picked.tensors == [b.tensors[0], a.tensors[0]] and picked._segment_indices == [0, 1]
+    assert picked._segment_provenance == [b._segment_provenance[0], a._segment_provenance[0]]
+    assert len(batch[1:3]) == 2 and len(batch.repeat_interleave(3)) == 12
+    assert len(batch.repeat_interleave(3).tensors) == 2
+    with pytest.raises(IndexError, match="row index -5 is out of range for 4 rows"):
+        batch.slice([-5])
+
+
+def test_to_dtype_casts_each_stored_float_segment_once_and_keeps_integer_metadata():
+    pixels = PackedTensor.concat([_shared(0)] * 3)
+    cast = pixels.to_dtype(torch.bfloat16)
+    assert cast.tensors[0].dtype == torch.bfloat16 and pixels.tensors[0].dtype == torch.float32
+    assert len(cast.tensors) == 1 and cast._row_offsets == pixels._row_offsets
+    assert cast._segment_provenance != pixels._segment_provenance  # new data, new ids
+    same = pixels.to_dtype(torch.float32)
+    assert same is not pixels and same.tensors[0] is pixels.tensors[0]
+    assert same._segment_provenance == pixels._segment_provenance
+    assert same._row_offsets is not pixels._row_offsets
+    grid = PackedTensor(torch.tensor([[1, 2, 2]]), 0).enable_deduplication()
+    assert grid.to(torch.bfloat16).tensors[0].dtype == torch.int64
+    moved = pixels.to("meta")
+    assert moved.tensors[0].device.type == "meta" and pixels.tensors[0].device.type == "cpu"
+    assert moved._segment_provenance == pixels._segment_provenance
+
+
+def test_empty_like_has_the_rows_of_the_other_value_without_tensors():
+    plain = _packed(_patches(0, 1), None, _patches(2, 2))
+    assert _same_items(PackedTensor.empty_like(plain), [None, None, None])
+    assert _same_items(PackedTensor.empty_like(plain, 1), [None])
+    segmented = PackedTensor.empty_like(PackedTensor.concat([_shared(0)] * 2))
+    assert len(segmented) == 2 and segmented.tensors == [] and segmented.deduplication_enabled
+    assert segmented.as_tensor() is None and list(segmented) == [None, None]
+    with pytest.raises(ValueError, match="num_rows >= 0, got -1"):
+        PackedTensor.empty_rows_like(plain, -1)
+
+
+def test_cloudpickle_round_trips_a_deduplicated_value():
+    from ray import cloudpickle
+
+    batch = PackedTensor.flattened_concat(
+        [PackedTensor.merge_segments([_shared(0), _packed(_patches(1, 1))]), _shared(2)]
+    )
+    restored = cloudpickle.loads(cloudpickle.dumps(batch))
+    assert restored.deduplication_enabled and len(restored) == 2 and len(restored.tensors) == 3
+    assert restored._segment_provenance == batch._segment_provenance
+    assert torch.equal(restored.as_tensor(), batch.as_tensor())
+    again = PackedTensor.concat([restored, batch])  # same provenance: stored once
+    assert len(again.tensors) == 3
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"dim_to_pack": 0},  # envloop before pad_to_max_shape and deduplication
+        {"dim_to_pack": 0, "pad_to_max_shape": False},  # the published class before them
+    ],
+)
+def test_values_pickled_before_deduplication_existed_load(state):
+    from ray import cloudpickle
+
+    t = _patches(0, 2)
+    old = PackedTensor.__new__(PackedTensor)
+    old.__dict__ = {"tensors": [t, None], **state}
+    restored = cloudpickle.loads(cloudpickle.dumps(old))
+    assert not restored.deduplication_enabled and not restored.pad_to_max_shape
+    assert len(restored) == 2 and restored.logical_segment_counts_by_row() == [1, 0]
+    assert torch.equal(restored.as_tensor(), t)
+    assert restored.enable_deduplication().deduplication_enabled
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"_row_offsets": [0, 1]}, "must both be given or both be None"),
+        ({"_row_offsets": [1, 1], "_segment_indices": [0]}, "must start with 0"),
+        ({"_row_offsets": [0, 1, 0], "_segment_indices": [0]}, "non-decreasing"),
+        ({"_row_offsets": [0, 2], "_segment_indices": [0]}, r"number of segment references \(1\)"),
+        ({"_row_offsets": [0, 1], "_segment_indices": [1]}, "index the 1 physical segments"),
+        ({"_segment_provenance": [b"a", b"b"]}, r"one entry per physical segment \(1\), got 2"),
+    ],
+)
+def test_an_inconsistent_layout_is_rejected(layout, message):
+    with pytest.raises(ValueError, match=message):
+        PackedTensor([_patches(0, 1)], 0, **layout)
+
+
+def test_a_missing_pack_dimension_is_a_value_and_an_index_error():
+    with pytest.raises(ValueError) as raised:
+        PackedTensor([torch.ones(1, 3, 4)], dim_to_pack=3)
+    assert isinstance(raised.value, IndexError)
+    assert str(raised.value) == (
+        "PackedTensor item 0 has shape (1, 3, 4), which has no dimension 3 to pack along "
+        "(dim_to_pack=3 is invalid for tensors with rank 3); give dim_to_pack a dimension "
+        "every item has."
+    )
+
+
+def test_values_that_differ_in_padding_cannot_be_joined():
+    with pytest.raises(ValueError, match="differ in pad_to_max_shape"):
+        PackedTensor.concat([_packed(), PackedTensor([], 0, pad_to_max_shape=True)])
+
+
+# --- property: deduplicated values read as their plain equivalents -----------------------
+
+
+def _reference(packed: PackedTensor) -> list[list[torch.Tensor]]:
+    """Each row's tensors, as a plain list (the value's meaning)."""
+    return [[packed.tensors[j] for j in packed._row_refs(r)] for r in range(len(packed))]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), sources=st.integers(1, 4), ops=st.lists(st.integers(0, 3), max_size=5))
+def test_deduplicated_rows_through_any_operations_read_as_the_plain_rows(data, sources, ops):
+    images = [PackedTensor(_patches(s, s + 1), 0).enable_deduplication() for s in range(sources)]
+    picks = data.draw(st.lists(st.lists(st.integers(0, sources - 1), max_size=3), min_size=1))
+    value = PackedTensor.flattened_concat(
+        [
+            PackedTensor.merge_segments([copy.deepcopy(images[i]) for i in p]) if p else None
+            for p in picks
+        ]
+    )
+    rows = [[images[i].tensors[0] for i in p] for p in picks]
+    for op in ops:
+        n = len(value)
+        if op == 0 and n:
+            idx = data.draw(st.lists(st.integers(-n, n - 1), max_size=6))
+            value, rows = value.slice(idx), [rows[i] for i in idx]
+        elif op == 1:
+            k = data.draw(st.integers(1, 3))
+            value, rows = value.repeat_interleave(k), [r for r in rows for _ in range(k)]
+        elif op == 2:
+            cut = data.draw(st.integers(0, n))
+            value = PackedTensor.concat([value.slice(range(cut, n)), value.slice(range(cut))])
+            rows = rows[cut:] + rows[:cut]
+        else:
+            from ray import cloudpickle
+
+            value = cloudpickle.loads(cloudpickle.dumps(copy.deepcopy(value)))
+            rows = [[t.clone() for t in r] for r in rows]
+        assert len(value) == len(rows)
+        assert sum(t is not None for t in value.tensors) <= sources  # each image at most once
+        for got, want in zip(_reference(value), rows):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+        flat = [t for r in rows for t in r]
+        assert (value.as_tensor() is None) == (not flat)
+        if flat:
+            assert torch.equal(value.as_tensor(), torch.cat(flat))
