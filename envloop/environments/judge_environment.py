@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -48,6 +47,7 @@ from envloop.config.errors import ConfigError
 from envloop.data.interfaces import LLMMessageLogType
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.loop_thread import LoopThread
+from envloop.environments.groups import prompt_key
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.judge.calls import JudgeClient, make_backend
 from envloop.environments.judge.config import DEFAULTS, config_problems, validate_config
@@ -233,20 +233,6 @@ class JudgeEnvironment(EnvironmentInterface):
         if getattr(self, "_loop", None) is not None:
             self._loop.close(wait=True)  # type: ignore[union-attr]
             self._loop = None
-
-
-def prompt_key(log: Any) -> str:
-    """What the samples of one prompt share: their messages before the first response.
-
-    >>> prompt_key([{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}])
-    '[["user", "Q"]]'
-    """
-    prompt = []
-    for message in log:
-        if message.get("role") == "assistant":
-            break
-        prompt.append([message.get("role"), message.get("content")])
-    return json.dumps(prompt, default=str)
 
 
 def _set_group_rewards(judged: list[Judged], how: str) -> None:
