@@ -177,6 +177,66 @@ def test_each_samples_image_data_is_its_own(processor, image_counts, sizes, seed
     assert lengths.tolist() == [sum(len(m["token_ids"]) for m in log) for log in logs]
 
 
+# --- deduplicated media (repeat_interleave(..., share_immutable_media=True)) ---------------
+
+
+def _grpo_logs(processor, share: bool) -> list[list[dict]]:
+    """2 image prompts x 3 generations; generation 1 of each adds a second user turn with
+    an image of its own (taken from a separately formatted conversation)."""
+    prompts = [get_formatted_message_log(_conversation([[_image(40 + p)]], str(p)), processor)
+               for p in range(2)]  # fmt: skip
+    batch = BatchedDataDict({"message_log": prompts})
+    logs = batch.repeat_interleave(3, share_immutable_media=share)["message_log"]
+    for p in range(2):
+        turns = get_formatted_message_log(
+            _conversation([[_image(40 + p)], [_image(50 + p, 28, 56)]], f"{p}b"), processor
+        )
+        logs[3 * p + 1].extend(turns[2:])  # the reply and the turn with the new image
+    return logs
+
+
+def test_shared_prompt_images_are_stored_once_and_read_as_the_copied_ones(processor):
+    plain, _ = batched_message_log_to_flat_message(_grpo_logs(processor, share=False))
+    shared, _ = batched_message_log_to_flat_message(_grpo_logs(processor, share=True))
+    for key in VISION_KEYS:
+        assert not plain[key].segmented and len(plain[key].tensors) == 6
+        packed = shared[key]
+        assert packed.deduplication_enabled and len(packed) == 6
+        assert len(packed.tensors) == 2 + 2  # two prompt images, two second-turn images
+        assert packed.logical_segment_counts_by_row() == [1, 2, 1, 1, 2, 1]
+        assert torch.equal(packed.as_tensor(), plain[key].as_tensor())
+        for row in range(6):
+            assert torch.equal(packed[row], plain[key][row])
+    inputs = shared.get_multimodal_dict(as_tensors=True)
+    assert torch.equal(inputs["pixel_values"], plain["pixel_values"].as_tensor())
+    for shard in shared.shard_by_batch_size(2):  # prompt 0 / prompt 1
+        assert len(shard["pixel_values"].tensors) == 2
+
+
+def test_deduplicated_and_multi_row_plain_media_in_one_batch_are_refused(processor):
+    prompt = get_formatted_message_log(_conversation([[_image(60)]], "a"), processor)
+    shared = BatchedDataDict({"message_log": [prompt]}).repeat_interleave(
+        1, share_immutable_media=True
+    )["message_log"][0]
+    two_turns = get_formatted_message_log(
+        _conversation([[_image(61)], [_image(62)]], "b"), processor
+    )
+    with pytest.raises(AssertionError) as raised:
+        batched_message_log_to_flat_message([shared, two_turns])
+    assert isinstance(raised.value, ValueError)
+    assert str(raised.value) == (
+        "flattened_concat requires one logical row per input: 'pixel_values' is deduplicated "
+        "in samples [0], but sample 1 holds it as 2 plain rows (one per message or image), "
+        "which deduplicated rows cannot be aligned with. Enable deduplication on every "
+        "message's 'pixel_values' (PackedTensor.enable_deduplication(), or "
+        "BatchedDataDict.repeat_interleave(..., share_immutable_media=True)) so each "
+        "conversation's media is one row."
+    )
+    one_turn = get_formatted_message_log(_conversation([[_image(63)]], "c"), processor)
+    flat, _ = batched_message_log_to_flat_message([shared, one_turn])  # one plain row: fine
+    assert flat["pixel_values"].logical_segment_counts_by_row() == [1, 1]
+
+
 # --- errors --------------------------------------------------------------------------------
 
 
