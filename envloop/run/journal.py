@@ -8,8 +8,9 @@ run needs to go on.
   attempt (1 for the first run, +1 per ``--resume``); written whole (a new file renamed
   over the old one).
 - ``records.jsonl``: one line per finished sample, its whole record
-  (:func:`envloop.run.records.sample_records`, token columns included) with each image
-  given by its file name in ``images/`` instead of its PNG bytes.
+  (:func:`envloop.run.records.sample_records`, token columns included, packed: see
+  :data:`_PACKED`) with each image given by its file name in ``images/`` instead of its
+  PNG bytes.
 - ``finished.txt``: the ledger: one finished sample id per line.
 - ``batches.jsonl``: the rollout metrics of each rollout call that ran to its end (``size``
   samples, ``metrics``).
@@ -29,6 +30,8 @@ ledger, the first complete record line, and rewrites the files with just those).
 
 from __future__ import annotations
 
+import array
+import base64
 import json
 import os
 import queue
@@ -158,7 +161,9 @@ class RunJournal:
             if sample in self.offsets or sample in offsets:
                 continue  # never rolled out twice, and never stored twice
             names = [self._store_image(png) for png in record.get("images") or ()]
-            line = dict(record, images=names) if names else dict(record)
+            line = _packed(record)
+            if names:
+                line["images"] = names
             offsets[sample] = offset + len(lines)
             lines += json.dumps(line, ensure_ascii=False).encode() + b"\n"
             samples.append(sample)
@@ -184,7 +189,7 @@ class RunJournal:
         with (self.dir / RECORDS_FILE).open("rb") as file:
             for sample in sorted(self.offsets):
                 file.seek(self.offsets[sample])
-                record = json.loads(file.readline())
+                record = _unpacked(json.loads(file.readline()))
                 if images and record.get("images"):
                     record["images"] = [(self.run_dir / n).read_bytes() for n in record["images"]]
                 yield record
@@ -298,6 +303,35 @@ class JournalWriter:
                 self._error = exc
             if None in items:
                 return
+
+
+_PACKED = {"input_ids": "q", "generation_logprobs": "f", "generation_policy_versions": "q",
+           "loss_mask": "q", "message_token_counts": "q"}  # fmt: skip
+"""Token columns stored packed (array typecode: int64, float32): writing a thousand
+logprobs as JSON numbers costs milliseconds, packing them microseconds. The logprobs are
+float32 values already (the Parquet column's type), so they come back exactly."""
+
+
+def _packed(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with its token columns as ``{"array": typecode, "base64": bytes}``."""
+    line = dict(record)
+    for key, code in _PACKED.items():
+        values = line.get(key)
+        if isinstance(values, list):
+            try:
+                packed = array.array(code, values).tobytes()
+            except (TypeError, OverflowError):
+                continue  # not numbers of that type: stored as JSON
+            line[key] = {"array": code, "base64": base64.b64encode(packed).decode()}
+    return line
+
+
+def _unpacked(line: dict[str, Any]) -> dict[str, Any]:
+    for key in _PACKED:
+        value = line.get(key)
+        if isinstance(value, dict) and "array" in value:
+            line[key] = array.array(value["array"], base64.b64decode(value["base64"])).tolist()
+    return line
 
 
 def _append(file: IO[bytes], data: bytes) -> None:

@@ -29,6 +29,7 @@ CASES = {
     # name: (kind, mode, batch size, rows held, sample ids recorded before the kill)
     "text-sync": ("text", "sync", 4, {4, 5}, [0, 1, 2, 3]),
     "text-async": ("text", "async", 12, {3, 8}, sorted(set(range(12)) - {3, 8})),
+    "vision-sync": ("vision", "sync", 4, {2}, [0, 1, 2, 3]),
     "vision-async": ("vision", "async", 8, {1}, [0, 1, 4, 5, 6, 7]),
 }
 

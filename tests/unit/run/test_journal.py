@@ -4,6 +4,7 @@ the samples whose ids reached the ledger."""
 
 from __future__ import annotations
 
+import array
 import json
 
 import pytest
@@ -110,3 +111,16 @@ def test_the_writer_thread_s_error_reaches_the_caller(tmp_path):
     writer.put({"task": "t"})  # no sample id
     with pytest.raises(KeyError, match="sample"):
         writer.flush()
+
+
+def test_token_columns_come_back_exactly(tmp_path):
+    logprobs = array.array("f", [-0.1, -2.7182817, 0.0, -1e-8]).tolist()  # float32 values
+    tokens = {"input_ids": [5, 151643, 0], "generation_logprobs": logprobs,
+              "generation_policy_versions": [0, 3, 3], "loss_mask": [0, 1, 1],
+              "message_token_counts": [1, 2]}  # fmt: skip
+    journal = RunJournal.start(tmp_path, CONFIG, "abc", total=1)
+    journal.add({**record(0), **tokens})
+    journal.close()
+    [back] = RunJournal.read(tmp_path).records()
+    assert back == {**record(0), **tokens}
+    assert "151643" not in (tmp_path / JOURNAL_DIR / RECORDS_FILE).read_text()  # packed
