@@ -1,6 +1,8 @@
 """What the package's text cites exists: every dotted ``envloop.<...>`` path in a module's
 source (docstrings, comments, strings) names a module of the package, or a name that
-module defines, and every section of docs/contract.md cited by name is one of its headings.
+module defines; so does every relative cross-reference (``:func:`.math.config.check```,
+found as Sphinx finds it: in the module, its package, or as the end of a module's path);
+and every section of docs/contract.md cited by name is one of its headings.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ PACKAGE = REPO / "envloop"
 CONTRACT = REPO / "docs" / "contract.md"
 
 DOTTED = re.compile(r"(?<![\w/.])envloop(?:\.[A-Za-z_]\w*)+")
+RELATIVE = re.compile(r":\w+:`~?\.([A-Za-z_][\w.]*)`")
 SECTION = re.compile(r'docs/contract\.md,?\s+"([^"]+)"(?:\s+and\s+"([^"]+)")?')
 
 
@@ -69,16 +72,37 @@ def unresolved(reference: str, known: dict[str, Path], importable: bool = True) 
 
 
 def reference_problems(root: Path, importable: bool = True) -> list[str]:
-    """Each dotted envloop path in the modules under ``root`` that names nothing."""
+    """Each dotted envloop path, or relative cross-reference, in the modules under ``root``
+    that names nothing."""
     known, problems = modules(root), []
-    for path in known.values():
+    for module, path in known.items():
+        where = path.relative_to(root.parent)
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             for match in DOTTED.finditer(line):
                 why = unresolved(match.group(0), known, importable)
                 if why:
-                    where = path.relative_to(root.parent)
                     problems.append(f"{where}:{number}: {match.group(0)}: {why}")
+            for match in RELATIVE.finditer(line):
+                if not relative_target(module, path, match.group(1), known, importable):
+                    problems.append(f"{where}:{number}: .{match.group(1)}: names nothing")
     return problems
+
+
+def relative_target(
+    module: str, path: Path, reference: str, known: dict[str, Path], importable: bool = True
+) -> str | None:
+    """What ``.reference`` in ``module`` names: a name in the module, or in its package, or
+    a path whose start is the end of some module's path; None when nothing."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    candidates = [f"{module}.{reference}", f"{package}.{reference}"]
+    parts = reference.split(".")
+    for end in range(len(parts), 0, -1):
+        suffix, rest = ".".join(parts[:end]), parts[end:]
+        candidates += [".".join([m, *rest]) for m in sorted(known) if m.endswith(f".{suffix}")]
+    for candidate in candidates:
+        if unresolved(candidate, known, importable) is None:
+            return candidate
+    return None
 
 
 def contract_sections(text: str) -> set[str]:
@@ -127,12 +151,15 @@ def test_a_moved_module_a_missing_name_and_a_missing_section_are_found(tmp_path)
         "import re\n\n\nclass Score:\n    value: float\n\n\ndef parse(): ...\n"
         "# envloop.environments.math.parse, envloop.environments.math.re and\n"
         "# envloop.environments.math.Score.value, envloop.environments.math.__file__\n"
+        "# :func:`.parse`, :class:`~.math.Score`, :mod:`.environments.math` resolve;\n"
+        "# :func:`.math_config.check` does not\n"
     )
     assert reference_problems(root, importable=False) == [
         "envloop/environments/math.py:1: envloop.environments.math_config: "
         "envloop.environments defines no 'math_config'",
         "envloop/environments/math.py:1: envloop.environments.math.check: "
         "envloop.environments.math defines no 'check'",
+        "envloop/environments/math.py:17: .math_config.check: names nothing",
     ]
     assert section_problems(root, {"Rollout semantics", "Data"}) == [
         "envloop/environments/math.py: docs/contract.md has no section 'Rewards'"

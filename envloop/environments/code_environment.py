@@ -88,7 +88,7 @@ class CodeEnvironment(SampleEnvironment[CodeEnvMetadata]):
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
-        """Every problem of ``config`` (:func:`.code_config.config_problems`)."""
+        """Every problem of ``config`` (:func:`.code.config.config_problems`)."""
         return config_problems(config)
 
     def global_post_process_and_metrics(

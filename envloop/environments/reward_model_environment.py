@@ -90,7 +90,7 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
-        """Every problem of ``config`` (:func:`.reward_model_config.config_problems`)."""
+        """Every problem of ``config`` (:func:`.reward_model.config.config_problems`)."""
         return config_problems(config)
 
     def preprocess_data(self, message_logs: list[LLMMessageLogType]) -> BatchedDataDict[Any]:

@@ -92,7 +92,7 @@ class VLMEnvironment(EnvironmentInterface):
 
     @classmethod
     def config_problems(cls, config: Any) -> list[str]:
-        """Every problem of ``config`` (:func:`.vlm_config.config_problems`)."""
+        """Every problem of ``config`` (:func:`.vlm.config.config_problems`)."""
         return config_problems(config)
 
     def step(
