@@ -91,7 +91,7 @@ class AgentEndpoint:
         self._socket.bind((self.host, self._port))
         config = uvicorn.Config(
             build_app(self.service), log_level="warning", lifespan="off", access_log=False,
-            backlog=4096, timeout_keep_alive=30,
+            backlog=4096, timeout_keep_alive=600,
         )  # fmt: skip
         server = self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
