@@ -34,6 +34,9 @@ from envloop.experience.env_dispatch import (
 from envloop.experience.experience_stream import ExperienceStream
 from envloop.experience.phase_timer import PhaseTimer
 from envloop.experience.rollout_call import RolloutCall
+from envloop.experience.rollout_groups import (
+    run_async_multi_turn_rollout_groups as run_async_multi_turn_rollout_groups,
+)
 from envloop.experience.rollout_metrics import RolloutProgress, rollout_metrics, rollout_progress
 from envloop.experience.rollout_options import (
     DEFAULTS,
