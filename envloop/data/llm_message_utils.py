@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,9 @@ def get_keys_from_message_log(
     return [{k: message[k] for k in wanted if k in message} for message in message_log]
 
 
-def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessagesType:
+def message_log_to_flat_messages(
+    message_log: LLMMessageLogType, *, deduplicate_multimodal_data: bool = False
+) -> FlatMessagesType:
     """Per key, the messages' tensors concatenated along dim 0 and other values listed.
 
     Per-token tensors stay aligned with ``token_ids``: a message that has ``token_ids`` but
@@ -43,7 +46,11 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
     placeholders). Messages without the key contribute nothing (vision inputs are not
     per-token, so nothing is zero-filled).
     A key that is a ``PackedTensor`` in one message must be one in every message holding it
-    (``TypeError`` naming the key otherwise).
+    (``TypeError`` naming the key otherwise). If any message's value is deduplicated
+    (``PackedTensor.enable_deduplication``), or with ``deduplicate_multimodal_data``, the
+    row references the messages' tensors instead of concatenating them
+    (``PackedTensor.merge_segments``): nothing is copied, and images shared by several logs
+    stay stored once when the logs are batched.
 
     >>> log = [
     ...     {"role": "user", "content": "a", "token_ids": torch.tensor([1, 2])},
@@ -73,7 +80,10 @@ def message_log_to_flat_messages(message_log: LLMMessageLogType) -> FlatMessages
         parts = [_per_token_part(message, key, template) for message in message_log]
         flat[key] = _concat_parts(key, [p for p in parts if p is not None])
     for key in packed_keys:
-        flat[key] = _packed_log_item(key, [m[key] for m in message_log if key in m])
+        values = [m[key] for m in message_log if key in m]
+        if deduplicate_multimodal_data:
+            values = [_deduplicated(v) for v in values]
+        flat[key] = _packed_log_item(key, values)
     for message in message_log:
         for key, value in message.items():
             if key not in templates and key not in packed_keys:
@@ -85,6 +95,8 @@ def batched_message_log_to_flat_message(
     message_log_batch: Sequence[LLMMessageLogType],
     pad_value_dict: Mapping[str, int | float] | None = None,
     make_sequence_length_divisible_by: int = 1,
+    *,
+    deduplicate_multimodal_data: bool = False,
 ) -> tuple[BatchedDataDict[Any], torch.Tensor]:
     """Flatten every log (``message_log_to_flat_messages``) and right-pad its tensors.
 
@@ -97,7 +109,12 @@ def batched_message_log_to_flat_message(
     ``token_ids`` length for tokenized logs). ``PackedTensor`` keys (vision inputs) become
     one ``PackedTensor`` with one item per sample: that sample's items of every message,
     concatenated (None for a sample without the key); they do not count towards
-    ``input_lengths`` or L. Other keys become per-sample lists of the
+    ``input_lengths`` or L. With deduplicated values (or ``deduplicate_multimodal_data``),
+    that ``PackedTensor`` stores each image's tensors once however many samples (the
+    generations of a prompt) and messages reference them (docs/multimodal_data.md); a
+    batch mixing deduplicated values with a sample whose plain values are several rows
+    raises ``MisalignedMediaError`` (an ``AssertionError`` and ``ValueError``), as the
+    published interface does. Other keys become per-sample lists of the
     messages' values (``[]`` for a sample without the key). A batch with no tensors at all
     maps each key to each sample's first value (None if absent) with empty
     ``input_lengths``, as the published interface does; an empty batch gives an empty
@@ -119,12 +136,21 @@ def batched_message_log_to_flat_message(
             "make_sequence_length_divisible_by must be >= 1, got "
             f"{make_sequence_length_divisible_by}."
         )
-    flats = [message_log_to_flat_messages(log) for log in message_log_batch]
+    flats = [
+        message_log_to_flat_messages(log, deduplicate_multimodal_data=deduplicate_multimodal_data)
+        for log in message_log_batch
+    ]
     if not flats:
         return BatchedDataDict(), torch.empty(0, dtype=torch.int32)
     keys = _union_keys(flats)
     packed = {
-        k: _packed_batch(k, [f.get(k) for f in flats], _plain_rows(message_log_batch, k))
+        k: _packed_batch(
+            k,
+            [f.get(k) for f in flats],
+            [None] * len(flats)
+            if deduplicate_multimodal_data
+            else _plain_rows(message_log_batch, k),
+        )
         for k in keys
         if any(isinstance(f.get(k), PackedTensor) for f in flats)
     }
@@ -357,6 +383,11 @@ def _check_packed_consistency(key: str, values: Sequence[PackedTensor], where: s
 class MisalignedMediaError(ValueError, AssertionError):
     """A batch mixes deduplicated media with conversations whose media is several plain
     rows (a ``ValueError``; also an ``AssertionError``, as the published check was)."""
+
+
+def _deduplicated(value: PackedTensor) -> PackedTensor:
+    """``value`` if deduplication is enabled on it, else a copy (same tensors) with it."""
+    return value if value.deduplication_enabled else copy.deepcopy(value).enable_deduplication()
 
 
 def _plain_rows(logs: Sequence[LLMMessageLogType], key: str) -> list[int | None]:

@@ -213,6 +213,26 @@ def test_shared_prompt_images_are_stored_once_and_read_as_the_copied_ones(proces
         assert len(shard["pixel_values"].tensors) == 2
 
 
+def test_flattening_can_deduplicate_plain_media_itself(processor):
+    logs = _grpo_logs(processor, share=False)  # repeats share the tensors, no provenance
+    plain, _ = batched_message_log_to_flat_message(logs)
+    shared, _ = batched_message_log_to_flat_message(logs, deduplicate_multimodal_data=True)
+    for key in VISION_KEYS:
+        packed = shared[key]
+        assert packed.deduplication_enabled and len(packed.tensors) == 4
+        assert torch.equal(packed.as_tensor(), plain[key].as_tensor())
+    assert not any(
+        m[k].deduplication_enabled for log in logs for m in log for k in VISION_KEYS if k in m
+    )
+    two_turns = get_formatted_message_log(
+        _conversation([[_image(70)], [_image(71)]], "x"), processor
+    )
+    mixed, _ = batched_message_log_to_flat_message(
+        [logs[0], two_turns], deduplicate_multimodal_data=True
+    )
+    assert mixed["pixel_values"].logical_segment_counts_by_row() == [1, 2]
+
+
 def test_deduplicated_and_multi_row_plain_media_in_one_batch_are_refused(processor):
     prompt = get_formatted_message_log(_conversation([[_image(60)]], "a"), processor)
     shared = BatchedDataDict({"message_log": [prompt]}).repeat_interleave(
