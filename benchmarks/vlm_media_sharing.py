@@ -1,0 +1,134 @@
+"""Memory per sample of a GRPO batch's image inputs: each sample's images concatenated
+(the plain flattening) against deduplicated media (each image stored once), side by side
+in one run.
+
+Workload: ``--prompts`` prompts with one image each, repeated ``--generations`` times
+(``BatchedDataDict.repeat_interleave``, as the dataset builds a rollout batch); each
+generation then has ``--turns`` more user turns, each with an image of its own (an
+environment's observation). The image inputs are the tiny Qwen2.5-VL processor's
+(``envloop.models.tiny_vlm``: at most 64 patches of 1,176 float32 values, 301 KB, per
+image; a real processor's images are larger, the ratios the same). Each configuration is
+flattened into the training batch (``batched_message_log_to_flat_message``):
+
+- concatenated: the default; each sample's images are one tensor, so a prompt image is
+  copied into every generation's row once the sample has a second image message;
+- deduplicated: ``deduplicate_multimodal_data=True`` (or media shared with
+  ``repeat_interleave(..., share_immutable_media=True)``); rows reference the images.
+
+Reported per sample: the bytes the batch's vision columns hold (distinct tensor storages)
+and the bytes of the batch pickled (what a Ray worker is sent), and the time to flatten
+(fastest of 5).
+
+    .venv/bin/python benchmarks/vlm_media_sharing.py [--prompts 4] [--generations 8]
+        [--turns 0 1 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ray import cloudpickle
+
+from envloop.data.llm_message_utils import (
+    batched_message_log_to_flat_message,
+    get_formatted_message_log,
+)
+from envloop.data.multimodal_utils import PackedTensor
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.tiny_vlm import build_tiny_vlm_processor
+
+
+def image(seed: int) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (112, 112, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def user(seed: int, text: str) -> dict:
+    parts = [{"type": "image", "image": image(seed)}, {"type": "text", "text": text}]
+    return {"role": "user", "content": parts}
+
+
+def rollout_logs(processor, prompts: int, generations: int, turns: int) -> list[list[dict]]:
+    """Prompt logs repeated per generation, each generation then given ``turns`` replies
+    and image turns of its own (formatted once per distinct image, as a rollout does)."""
+    prompt_logs = [
+        get_formatted_message_log([user(p, f"Describe image {p}.")], processor)
+        for p in range(prompts)
+    ]
+    logs = BatchedDataDict({"message_log": prompt_logs}).repeat_interleave(generations)[
+        "message_log"
+    ]
+    for row, log in enumerate(logs):
+        conversation = [user(row // generations, f"Describe image {row // generations}.")]
+        for t in range(turns):
+            conversation += [
+                {"role": "assistant", "content": f"reply {t}"},
+                user(10_000 + row * turns + t, f"And observation {t}?"),
+            ]
+        log.extend(get_formatted_message_log(conversation, processor)[1:])
+    return logs
+
+
+def vision_bytes(batch: BatchedDataDict) -> int:
+    """Bytes of the distinct tensor storages held by the batch's PackedTensor columns."""
+    storages = {}
+    for value in batch.values():
+        if isinstance(value, PackedTensor):
+            for t in value.tensors:
+                if t is not None:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+def measure(logs: list[list[dict]], deduplicate: bool, repeats: int = 5) -> dict[str, Any]:
+    """Per-sample bytes, and the fastest of ``repeats`` flattenings."""
+    seconds = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flat, _ = batched_message_log_to_flat_message(logs, deduplicate_multimodal_data=deduplicate)
+        seconds = min(seconds, time.perf_counter() - start)
+    n = len(logs)
+    return {
+        "held": vision_bytes(flat) / n,
+        "pickled": len(cloudpickle.dumps(flat)) / n,
+        "ms": seconds * 1000,
+        "pixels": flat.get_multimodal_dict(as_tensors=True)["pixel_values"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--turns", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    processor = build_tiny_vlm_processor()
+    print(
+        f"{args.prompts} prompts x {args.generations} generations; KB per sample "
+        "(vision columns held / batch pickled), flatten time"
+    )
+    header = f"{'turns':>5} | {'concatenated':>24} | {'deduplicated':>24} | {'held saved':>10}"
+    print(header + "\n" + "-" * len(header))
+    for turns in args.turns:
+        logs = rollout_logs(processor, args.prompts, args.generations, turns)
+        plain, shared = measure(logs, False), measure(logs, True)
+        assert (plain["pixels"] == shared["pixels"]).all()  # the model sees the same input
+        cells = [
+            f"{m['held'] / 1024:7.0f} / {m['pickled'] / 1024:6.0f} KB {m['ms']:5.1f} ms"
+            for m in (plain, shared)
+        ]
+        saved = 1 - shared["held"] / plain["held"]
+        print(f"{turns:>5} | {cells[0]:>24} | {cells[1]:>24} | {saved:>9.0%}")
+
+
+if __name__ == "__main__":
+    main()
