@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,8 +129,10 @@ def build_app(service: ChatService) -> Starlette:
         finally:
             session.requests += 1
         if parsed.stream:
-            events = stream_events(completion, parsed, service.model)
-            return StreamingResponse(events, media_type="text/event-stream")
+            return StreamingResponse(
+                _async(stream_events(completion, parsed, service.model)),
+                media_type="text/event-stream",
+            )
         return JSONResponse(completion_body(completion, parsed, service.model))
 
     routes = [
@@ -144,6 +147,13 @@ def build_app(service: ChatService) -> Starlette:
         Exception: _server_error,
     }
     return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _async(events: Iterator[str]) -> AsyncIterator[str]:
+    """``events`` as an async iterator (Starlette would hop to a thread for each item of a
+    plain one)."""
+    for event in events:
+        yield event
 
 
 async def _json(request: Request) -> Any:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from envloop.data.multimodal_utils import text_tokenizer
+from envloop.data.tokenization import decode_texts
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.turn_steps import Responses, assistant_message, split_responses
 from envloop.models.generation.interfaces import GenerationInterface
@@ -74,11 +76,11 @@ def _sampled(responses: Responses, tokenizer: Any, budget: int, stop: list[str] 
     text = responses.texts[0]
     eos = responses.ended_with_eos[0]
     stopped = eos or any(text.endswith(s) for s in stop or ())
-    text_tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    token_texts = decode_texts(text_tokenizer(tokenizer), [[t] for t in ids.tolist()])
     return Sampled(
         message=assistant_message(text, ids, responses.logprobs[0], responses.versions[0]),
         text=text,
-        token_texts=[text_tokenizer.decode([t]) for t in ids.tolist()],
+        token_texts=token_texts,
         ended_with_eos=eos,
         hit_budget=not stopped and len(ids) >= budget,
         error=responses.errors[0],
