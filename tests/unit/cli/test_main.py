@@ -24,7 +24,10 @@ def test_help_and_usage_errors(capsys):
     out = capsys.readouterr().out
     assert "check-env" in out and "``" not in out
     assert out.split("\n\n")[1] == "The envloop command."
-    assert out.rstrip().endswith("2 for a bad command line or config.")
+    assert " ".join(out.split()).endswith(
+        "2 for a bad command line or config, 130 / 143 for a run stopped by Ctrl-C / SIGTERM "
+        "(it prints the command that resumes it)."
+    )
     assert main([]) == 2
     assert main(["fly"]) == 2
     assert "invalid choice: 'fly'" in capsys.readouterr().err
@@ -156,7 +159,7 @@ HUB_RULES = (
 )
 MODEL_FIX = (
     "an existing model folder, a hub id or bundled:<name> "
-    "(policy, policy_early, reward_model, vlm_policy)."
+    "(policy, policy_early, reward_model, vlm_policy, judge)."
 )
 
 
