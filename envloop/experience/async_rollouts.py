@@ -20,10 +20,10 @@ loop so appends a response at its next turn, and a busy one appends many at once
 bookkeeping of a turn costs about what it costs in the batched loop however the samples
 arrive. A backend with only ``generate`` gets one call at a time, in a worker thread (its
 sampling state need not be thread-safe). Environment calls run concurrently, several per
-task when samples arrive while a call is under way, each on a thread of the rollout's own
-pool (the dispatcher's Ray waits and in-process steps never block the event loop, and a
-few slow steps do not hold up the others' threads), with the sync engine's timeouts,
-retries, contract checks and ``on_env_error``.
+task when samples arrive while a call is under way, through the dispatcher's one path
+(:meth:`~envloop.experience.env_dispatch.EnvDispatcher.astep`): actor calls are awaited on
+the event loop, in-process steps run on threads (never blocking the loop), with the sync
+engine's timeouts, retries, contract checks and ``on_env_error``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +40,14 @@ from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.env_dispatch import EnvDispatcher, GroupResult, check_tasks_have_envs
 from envloop.experience.group_scoring import GroupGate
 from envloop.experience.phase_timer import PhaseTimer
-from envloop.experience.rollout_metrics import rollout_metrics, rollout_progress
-from envloop.experience.rollout_options import AsyncRolloutOptions
+from envloop.experience.rollout_metrics import RolloutProgress, rollout_metrics, rollout_progress
+from envloop.experience.rollout_options import (
+    DEFAULTS,
+    AsyncRolloutOptions,
+    ObservationFormat,
+    OnEnvError,
+    options_from_arguments,
+)
 from envloop.experience.rollout_results import final_rows
 from envloop.experience.rollout_state import (
     RolloutState,
@@ -59,7 +64,8 @@ from envloop.models.generation.interfaces import GenerationInterface
 __all__ = ["FinishedGroup", "FinishedSample", "RolloutStream", "SampleEngine"]
 
 MAX_ENV_THREADS = 256
-"""Most environment calls of one rollout waiting at once (at most one per sample in flight)."""
+"""Most in-process environment steps of one rollout on threads at once (at most one per
+sample in flight)."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,8 @@ class RolloutStream:
     ``repeat_interleave`` lays them out) once its last member finishes. A stream runs once;
     afterwards :meth:`final_batch` and :meth:`metrics` give what
     ``run_multi_turn_rollout`` returns. Arguments and options are those of
-    ``run_async_multi_turn_rollout``.
+    ``run_async_multi_turn_rollout`` (any other keyword fails with a ``ConfigError`` that
+    names the closest option).
     """
 
     def __init__(
@@ -112,9 +119,19 @@ class RolloutStream:
         max_seq_len: int,
         max_rollout_turns: int = 999999,
         greedy: bool = False,
-        **options: Any,
+        *,
+        observation_format: ObservationFormat = DEFAULTS.observation_format,
+        env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
+        env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
+        on_env_error: OnEnvError = DEFAULTS.on_env_error,
+        env_max_retries: int = DEFAULTS.env_max_retries,
+        on_turn: Callable[[RolloutProgress], None] | None = None,
+        max_concurrent_samples: int | None = DEFAULTS.max_concurrent_samples,
+        coalesce_window_s: float = DEFAULTS.coalesce_window_s,
+        max_coalesced_samples: int = DEFAULTS.max_coalesced_samples,
+        **unknown: Any,
     ) -> None:
-        self.options = AsyncRolloutOptions.from_mapping(options)
+        self.options = options_from_arguments(AsyncRolloutOptions, locals(), unknown)
         check_limits(max_seq_len, max_rollout_turns)
         self.input_batch = input_batch
         self.state = RolloutState.start(input_batch, tokenizer, max_seq_len)
@@ -233,8 +250,7 @@ class SampleEngine:
         self.max_turns, self.greedy, self.options, self.timer = max_turns, greedy, options, timer
         self.renderer = observation_renderer(tokenizer, options.observation_format)
         limit = max(1, min(options.max_concurrent_samples or state.size, MAX_ENV_THREADS))
-        self.dispatcher = EnvDispatcher.from_options(task_to_env, options)
-        self.env_threads = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="envloop-env")
+        self.dispatcher = EnvDispatcher.from_options(task_to_env, options, max_threads=limit)
         self.streams_outputs = type(policy).generate_async is not GenerationInterface.generate_async
         self.in_flight = 0
         self.closed = False
@@ -266,15 +282,14 @@ class SampleEngine:
 
     async def close(self) -> None:
         """Cancel every stage's call still under way and wait until each has stopped: a
-        generation call abandons its rows, an environment call already running on its
-        thread is waited for (``env_step_timeout_s`` bounds it) and its result dropped.
-        Then the environment threads and the dispatcher shut down."""
+        generation call abandons its rows, an environment call already under way (on an
+        actor or a thread) is waited for (``env_step_timeout_s`` bounds it) and its result
+        dropped. Then the dispatcher shuts down."""
         self.closed = True
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.to_thread(self.env_threads.shutdown, wait=True, cancel_futures=True)
         self.dispatcher.shutdown()
 
     def _stage(
@@ -364,35 +379,19 @@ class SampleEngine:
 
     async def _step_env(self, samples: list[int], ended_with_eos: list[bool]) -> None:
         """Step one task's environment on ``samples`` (steps 3-6 of docs/contract.md,
-        "Rollout semantics"), then send each on to its next turn or out: when the
-        environment streams results (``step_stream``), with the other results that come back
-        one after another; else when the call returns."""
+        "Rollout semantics"); each result goes on with the other results that come back
+        one after another (all of a batched call's at once; a streaming environment's
+        (``step_stream``) as each sample finishes). Results that come after the engine
+        closed are dropped."""
         state, task = self.state, self.state.task_names[samples[0]]
         eos = dict(zip(samples, ended_with_eos))
-        loop = self.loop
+
+        def deliver(result: GroupResult) -> None:
+            if not self.closed:
+                self.results.add(result, [eos[i] for i in result.indices])
+
         with self.timer.phase("env_step"):
-            if self.dispatcher.streams(task):
-
-                def deliver(result: GroupResult) -> None:  # on the call's thread
-                    loop.call_soon_threadsafe(self._take_streamed, result, eos)
-
-                await loop.run_in_executor(
-                    self.env_threads,
-                    self.dispatcher.step_stream, task, samples, state.env_views,
-                    state.metadata, deliver,
-                )  # fmt: skip
-                return
-            results = await loop.run_in_executor(
-                self.env_threads,
-                self.dispatcher.step, {task: samples}, state.env_views, state.metadata,
-            )  # fmt: skip
-        self._take_env_results(results, eos)
-
-    def _take_streamed(self, result: GroupResult, eos: dict[int, bool]) -> None:
-        """Queue one streamed result (an event loop callback); dropped once the engine
-        closed."""
-        if not self.closed:
-            self.results.add(result, [eos[i] for i in result.indices])
+            await self.dispatcher.astep(task, samples, state.env_views, state.metadata, deliver)
 
     async def _take_streamed_results(
         self, results: list[GroupResult], ended_with_eos: list[list[bool]]

@@ -24,6 +24,7 @@ out is abandoned on a daemon thread, which never keeps the interpreter from exit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 import traceback
@@ -91,8 +92,11 @@ def check_tasks_have_envs(task_names: list[str], task_to_env: dict[str, Any]) ->
 
 
 class EnvDispatcher:
-    """Runs environment steps for a rollout; holds the threads of in-process steps
-    (at most ``max_threads`` at once; None: one per step in flight)."""
+    """Runs environment steps for a rollout; holds the threads of in-process steps.
+
+    ``max_threads`` bounds the in-process steps that :meth:`astep` runs at once on one event
+    loop (None: no bound); a step abandoned at its timeout frees its place at once, its
+    daemon thread running on outside the bound."""
 
     def __init__(
         self,
@@ -110,6 +114,7 @@ class EnvDispatcher:
         self.max_retries = max_retries
         self.max_threads = max_threads
         self._pool: DaemonThreadPool | None = None
+        self._places: asyncio.Semaphore | None = None
         self._gate = StartGate(self.startup_timeout_s)
         self._not_started: dict[str, str] = {}  # task -> why its samples fail
 
@@ -173,18 +178,23 @@ class EnvDispatcher:
             try:
                 if task in self._not_started:
                     raise _NotStarted(self._not_started[task])
-                async for positions, value in self._call(task, rows, samples, env_logs, metadata):
-                    done = [rows[p] for p in positions]
-                    for row in done:
-                        left.remove(row)
-                    result = GroupResult(task, [samples[r] for r in done])
-                    try:
-                        result.result = _validated(task, value, len(done))
-                    except _ContractError as exc:
-                        result.error = self._failure(task, exc)
-                    for part in self._split_sample_errors(result):
-                        deliver(part)
+                async with self._place(task):
+                    async for positions, value in self._call(
+                        task, rows, samples, env_logs, metadata
+                    ):
+                        done = [rows[p] for p in positions]
+                        for row in done:
+                            left.remove(row)
+                        result = GroupResult(task, [samples[r] for r in done])
+                        try:
+                            result.result = _validated(task, value, len(done))
+                        except _ContractError as exc:
+                            result.error = self._failure(task, exc)
+                        for part in self._split_sample_errors(result):
+                            deliver(part)
                 return
+            except EnvironmentStepError:  # on_error="raise": a sample's error, as it is
+                raise
             except Exception as exc:
                 if attempt < self.max_retries and isinstance(exc, RayActorError):
                     await asyncio.to_thread(self._await_restart, task)
@@ -243,6 +253,14 @@ class EnvDispatcher:
             await asyncio.gather(*calls, return_exceptions=True)
         return [result for task in groups for result in delivered[task]]
 
+    def _place(self, task: str) -> contextlib.AbstractAsyncContextManager[Any]:
+        """A place among the ``max_threads`` in-process steps (none needed for an actor)."""
+        if self.max_threads is None or is_actor(self.task_to_env[task]):
+            return contextlib.nullcontext()
+        if self._places is None:
+            self._places = asyncio.Semaphore(self.max_threads)
+        return self._places
+
     def _call(
         self,
         task: str,
@@ -264,7 +282,7 @@ class EnvDispatcher:
         if self.streams(task):
             return thread_step_stream(env, logs, mds, deadline)
         if self._pool is None:
-            self._pool = DaemonThreadPool(self.max_threads, "envloop-env")
+            self._pool = DaemonThreadPool(None, "envloop-env")
         return thread_step(self._pool, env, logs, mds, deadline)
 
     def _await_restart(self, task: str) -> None:
