@@ -36,6 +36,7 @@ from envloop.agents.openai_errors import OpenAIError
 from envloop.agents.sampling import sample_response
 from envloop.agents.sessions import Session
 from envloop.experience.rollout_metrics import PhaseTimer
+from envloop.experience.sample_vision import SampleVision
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["ChatService", "build_app"]
@@ -77,7 +78,7 @@ class ChatService:
             with self.timer.phase("generation"):
                 sampled = await sample_response(
                     self.policy, self.tokenizer, plan.prompt_ids, budget, request.stop,
-                    request.greedy, session.id,
+                    request.greedy, session.id, _vision_columns(plan.trajectory_so_far()),
                 )  # fmt: skip
             if sampled.error is not None:
                 raise OpenAIError(
@@ -101,6 +102,14 @@ class ChatService:
             )
         limits = [n for n in (room, max_tokens) if n is not None]
         return min(limits) if limits else 2**31 - 1
+
+
+def _vision_columns(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The generation input's vision columns for a prompt of ``messages`` (none when no
+    message holds vision inputs)."""
+    vision = SampleVision(1)
+    vision.reset(0, messages)
+    return vision.columns([0]) if vision.any else {}
 
 
 def build_app(service: ChatService) -> Starlette:

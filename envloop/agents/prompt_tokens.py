@@ -20,12 +20,15 @@ from typing import Any
 
 from envloop.agents.openai_errors import OpenAIError
 from envloop.data.message_tokens import add_bos_eos, text_only_tokenizer
+from envloop.data.multimodal_messages import tokenize_with_processor
+from envloop.data.multimodal_utils import is_processor
 from envloop.data.tokenization import tokenize_texts
 
 __all__ = ["Chunk", "continuation_chunks", "prompt_chunks", "template_messages"]
 
 Chunk = tuple[dict[str, Any], list[int]]
-"""A message for the trajectory (``role``, ``content``) and its token ids."""
+"""A message for the trajectory (``role``, ``content``, and vision inputs for a message
+with images when the tokenizer is a multimodal processor) and its token ids."""
 
 _MARK = "\x00envloop-sampled-turn\x00"
 
@@ -62,11 +65,10 @@ def prompt_chunks(
     deltas = _prefix_deltas(rendered)
     logged = [{"role": m["role"], "content": m["content"]} for m in messages]
     if deltas is None:
-        deltas, logged = [rendered[-1]], [{"role": "context", "content": rendered[-1]}]
-    text = text_only_tokenizer(tokenizer)
-    token_lists = tokenize_texts(text, deltas)
-    add_bos_eos(token_lists, text, bos=True, eos=False)
-    return list(zip(logged, token_lists))
+        deltas, logged = [rendered[-1]], [_context(rendered[-1], messages)]
+    chunks = _tokenized(tokenizer, deltas, logged)
+    add_bos_eos([ids for _, ids in chunks], text_only_tokenizer(tokenizer), bos=True, eos=False)
+    return chunks
 
 
 def continuation_chunks(
@@ -94,11 +96,36 @@ def continuation_chunks(
         logged = [{"role": "context", "content": ""}]
     deltas = _prefix_deltas(tails)
     if deltas is None:
-        deltas, logged = [tails[-1]], [{"role": "context", "content": tails[-1]}]
+        deltas, logged = [tails[-1]], [_context(tails[-1], new_messages)]
     eos = text_only_tokenizer(tokenizer).eos_token or ""
     if ended_with_eos and eos and deltas[0].startswith(eos):
         deltas[0] = deltas[0][len(eos) :]
-    return list(zip(logged, tokenize_texts(text_only_tokenizer(tokenizer), deltas)))
+    return _tokenized(tokenizer, deltas, logged)
+
+
+def _tokenized(tokenizer: Any, chunks: list[str], logged: list[dict[str, Any]]) -> list[Chunk]:
+    """Each templated chunk's token ids, its message (with its vision inputs, each a
+    one-item ``PackedTensor``, when it holds images and ``tokenizer`` is a processor)."""
+    if not is_processor(tokenizer):
+        return list(zip(logged, tokenize_texts(tokenizer, chunks)))
+    contents = [m["content"] for m in logged]
+    try:
+        token_lists, vision = tokenize_with_processor(tokenizer, chunks, contents, "messages")
+    except ValueError as error:
+        raise OpenAIError(f"The images could not be read: {error}", param="messages") from None
+    return [({**m, **inputs}, ids) for m, ids, inputs in zip(logged, token_lists, vision)]
+
+
+def _context(text: str, messages: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One message holding a whole templated ``text`` (and the images of ``messages``)."""
+    images = [
+        part for m in messages if isinstance(m["content"], list)
+        for part in m["content"] if part["type"] == "image"
+    ]  # fmt: skip
+    return {
+        "role": "context",
+        "content": [{"type": "text", "text": text}, *images] if images else text,
+    }
 
 
 def _render(
@@ -107,10 +134,11 @@ def _render(
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
 ) -> str:
-    if any(isinstance(m.get("content"), list) for m in messages):
+    if not is_processor(tokenizer) and any(isinstance(m.get("content"), list) for m in messages):
         raise OpenAIError(
             "This endpoint serves a text-only policy: its tokenizer has no image processor, "
-            "so image parts cannot be read. Send text content only.",
+            "so image parts cannot be read. Send text content only, or serve a "
+            "vision-language policy with its processor as the tokenizer.",
             param="messages",
         )
     if not getattr(text_only_tokenizer(tokenizer), "chat_template", None):

@@ -48,8 +48,11 @@ async def sample_response(
     stop: list[str] | None,
     greedy: bool,
     sample_id: str,
+    vision: dict[str, Any] | None = None,
 ) -> Sampled:
-    """Sample one response to ``prompt_ids`` of at most ``budget`` tokens. A backend that
+    """Sample one response to ``prompt_ids`` of at most ``budget`` tokens (``vision``: the
+    prompt's vision columns, one-row ``PackedTensor`` values and ``images``, as
+    ``GenerationDatumSpec`` describes them). A backend that
     overrides ``generate_async`` is awaited on the calling event loop (its rows join its
     running batch); any other backend's ``generate`` runs on a worker thread."""
     data: BatchedDataDict[Any] = BatchedDataDict(
@@ -58,6 +61,7 @@ async def sample_response(
         stop_strings=[stop],
         max_new_tokens=torch.tensor([budget], dtype=torch.long),
         sample_ids=[sample_id],
+        **(vision or {}),
     )
     output: Any = None
     if type(policy).generate_async is GenerationInterface.generate_async:

@@ -74,6 +74,11 @@ class TurnPlan:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
 
+    def trajectory_so_far(self) -> list[dict[str, Any]]:
+        """The messages of the prompt: the extended segment's log and the new context."""
+        earlier = self.segment.message_log if self.segment is not None else []
+        return [*earlier, *(message for message, _ in self.context)]
+
 
 class Session:
     """One agent run's recorded conversation; its requests are served one at a time.
