@@ -6,7 +6,7 @@ Workload: ``--prompts`` prompts with one image each, repeated ``--generations`` 
 (``BatchedDataDict.repeat_interleave``, as the dataset builds a rollout batch); each
 generation then has ``--turns`` more user turns, each with an image of its own (an
 environment's observation). The image inputs are the tiny Qwen2.5-VL processor's
-(``envloop.models.tiny_vlm``: at most 64 patches of 1,176 float32 values, 301 KB, per
+(``envloop.models.tiny_vlm``: at most 64 patches of 1,176 float32 values, 294 KiB, per
 image; a real processor's images are larger, the ratios the same). Each configuration is
 flattened into the training batch (``batched_message_log_to_flat_message``):
 
