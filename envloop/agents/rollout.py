@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -121,6 +122,14 @@ def run_agent_rollouts(
         )
     if agent_timeout_s is not None and not agent_timeout_s > 0:
         raise ValueError(f"agent_timeout_s must be > 0 or None, got {agent_timeout_s!r}")
+    if endpoint is not None and (
+        endpoint.service.max_seq_len is None or endpoint.service.max_seq_len > max_seq_len
+    ):
+        raise ValueError(
+            f"The endpoint given serves conversations up to max_seq_len="
+            f"{endpoint.service.max_seq_len}, more than this rollout's max_seq_len={max_seq_len}; "
+            f"build it with AgentEndpoint(..., max_seq_len={max_seq_len}) or leave endpoint out."
+        )
     task_names = list(input_batch.get("task_name") or [])
     check_tasks_have_envs(task_names, task_to_env)
     run = _AgentRun(
@@ -191,11 +200,15 @@ class _AgentRun:
 
     async def _run_agent(self, session: Session, datum: dict[str, Any]) -> _Outcome:
         outcome = _Outcome(session)
+        started = time.monotonic()
         try:
             result = await asyncio.wait_for(self.agent(session.base_url, datum), self.timeout_s)
-        except TimeoutError:
-            outcome.error = f"agent did not finish within agent_timeout_s={self.timeout_s} s"
-            outcome.timed_out = True
+        except TimeoutError as error:
+            if self.timeout_s is None or time.monotonic() - started < self.timeout_s:
+                outcome.error = f"agent raised {type(error).__name__}: {error}"  # its own
+            else:
+                outcome.error = f"agent did not finish within agent_timeout_s={self.timeout_s} s"
+                outcome.timed_out = True
         except Exception as error:
             outcome.error = f"agent raised {type(error).__name__}: {error}"
         else:
