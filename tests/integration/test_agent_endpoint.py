@@ -293,9 +293,15 @@ def test_errors_beyond_the_request_parameters(tiny_tokenizer):
         raw = http_error(f"{endpoint.base_url}/chat/completions", b"{not json")
         missing = http_error(f"{endpoint.base_url}/embeddings")
         models = client(endpoint.base_url).models.list()
+        unrecorded = client(endpoint.base_url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "2 + 2?"}]
+        )
+        sessions = dict(endpoint.service.sessions)
     assert too_long.value.body["code"] == "context_length_exceeded"
     assert "max_seq_len) is 64" in too_long.value.body["message"]
     assert no_session.value.body["code"] == "session_not_found"
     assert raw[0] == 400 and "not valid JSON" in raw[1]["error"]["message"]
     assert missing[0] == 404 and missing[1]["error"]["type"] == "not_found_error"
     assert [m.id for m in models.data] == ["envloop-policy"]
+    assert unrecorded.choices[0].message.content == "4"
+    assert [len(s.segments) for s in sessions.values()] == [0]  # only the refused session
