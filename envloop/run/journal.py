@@ -111,26 +111,7 @@ class RunJournal:
         """The journal of ``run_dir`` as it is on disk (nothing rewritten or opened for
         writing): its header, finished samples and finished rollout calls. FileNotFoundError
         naming the directory when it has none."""
-        run_dir = Path(run_dir)
-        path = run_dir / JOURNAL_DIR / RUN_FILE
-        if not path.is_file():
-            if (run_dir / METRICS_FILE).is_file():
-                raise FileNotFoundError(
-                    f"{run_dir} holds a finished run (its {METRICS_FILE} is written and its "
-                    f"{JOURNAL_DIR}/ removed): nothing to resume; run without --resume to "
-                    "roll it out again"
-                )
-            raise FileNotFoundError(
-                f"{run_dir} holds no run to resume ({JOURNAL_DIR}/{RUN_FILE} is missing): "
-                "run without --resume to start one there"
-            )
-        header = json.loads(path.read_text(encoding="utf-8"))
-        if header.get("format") != FORMAT:
-            raise ValueError(
-                f"{path}: journal format {header.get('format')!r}, this envloop reads "
-                f"{FORMAT}: run without --resume to start the run over"
-            )
-        journal = cls(run_dir, header)
+        journal = cls(Path(run_dir), read_header(run_dir))
         journal._load()
         return journal
 
@@ -261,6 +242,32 @@ class RunJournal:
         _write_whole(self.dir / LEDGER_FILE, "".join(f"{s}\n" for s in offsets).encode())
         batches = "".join(json.dumps({"size": n, "metrics": m}) + "\n" for m, n in self.batches)
         _write_whole(self.dir / BATCHES_FILE, batches.encode())
+
+
+def read_header(run_dir: str | Path) -> dict[str, Any]:
+    """``run_dir``'s ``journal/run.json``: the config, prompts' fingerprint, number of
+    samples and attempt of the run recorded there. FileNotFoundError naming the directory
+    when it has no journal (saying so when it holds a finished run)."""
+    run_dir = Path(run_dir)
+    path = run_dir / JOURNAL_DIR / RUN_FILE
+    if not path.is_file():
+        if (run_dir / METRICS_FILE).is_file():
+            raise FileNotFoundError(
+                f"{run_dir} holds a finished run (its {METRICS_FILE} is written and its "
+                f"{JOURNAL_DIR}/ removed): nothing to resume; run without --resume to "
+                "roll it out again"
+            )
+        raise FileNotFoundError(
+            f"{run_dir} holds no run to resume ({JOURNAL_DIR}/{RUN_FILE} is missing): "
+            "run without --resume to start one there"
+        )
+    header = json.loads(path.read_text(encoding="utf-8"))
+    if header.get("format") != FORMAT:
+        raise ValueError(
+            f"{path}: journal format {header.get('format')!r}, this envloop reads "
+            f"{FORMAT}: run without --resume to start the run over"
+        )
+    return dict(header)
 
 
 class JournalWriter:

@@ -44,7 +44,7 @@ from envloop.run.config_sections import (
     ServerPolicyConfig,
 )
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
-from envloop.run.journal import JournalWriter, RunJournal
+from envloop.run.journal import JournalWriter, RunJournal, read_header
 from envloop.run.metrics import (
     TaskStats,
     combine_rollout_metrics,
@@ -118,8 +118,8 @@ def open_journal(config: RunConfig, inputs: RunInputs, resume: bool) -> RunJourn
     resolved = jsonable(config.to_dict())
     fingerprint = input_fingerprint(inputs.samples, inputs.token_ids)
     if resume:
-        recorded = RunJournal.read(run_dir)
-        check_resumable(run_dir, recorded.config, resolved, recorded.header["inputs"], fingerprint)
+        recorded = read_header(run_dir)
+        check_resumable(run_dir, recorded["config"], resolved, recorded["inputs"], fingerprint)
         journal = RunJournal.resume(run_dir, resolved)
     else:
         total = len(inputs.samples) * config.rollout.generations_per_prompt
