@@ -28,7 +28,8 @@ class Sampled:
         text: the response decoded (a final EOS dropped, a stop string kept).
         token_texts: each sampled token decoded on its own (n of them).
         ended_with_eos: the last token is EOS.
-        hit_budget: the response stopped at its token budget, not at EOS or a stop string.
+        hit_budget: the response stopped at a token cap (the request's, the context's or
+            the backend's own), not at EOS or a stop string.
         error: the backend's ``generation_error`` for this prompt (None: it generated).
     """
 
@@ -72,10 +73,16 @@ async def sample_response(
         if output is None:
             raise RuntimeError(f"{type(policy).__name__}.generate_async yielded no row.")
     responses = split_responses(output, data["input_lengths"], data["max_new_tokens"], tokenizer)
-    return _sampled(responses, tokenizer, budget, stop)
+    truncated = output.get("truncated")
+    capped = truncated is not None and bool(truncated[0])
+    return _sampled(responses, tokenizer, budget, stop, capped)
 
 
-def _sampled(responses: Responses, tokenizer: Any, budget: int, stop: list[str] | None) -> Sampled:
+def _sampled(
+    responses: Responses, tokenizer: Any, budget: int, stop: list[str] | None, capped: bool
+) -> Sampled:
+    """``capped``: the backend reports the response cut at a token cap (its own or
+    ``budget``)."""
     ids = responses.token_ids[0]
     text = responses.texts[0]
     eos = responses.ended_with_eos[0]
@@ -86,6 +93,6 @@ def _sampled(responses: Responses, tokenizer: Any, budget: int, stop: list[str] 
         text=text,
         token_texts=token_texts,
         ended_with_eos=eos,
-        hit_budget=not stopped and len(ids) >= budget,
+        hit_budget=not stopped and (capped or len(ids) >= budget),
         error=responses.errors[0],
     )

@@ -98,6 +98,8 @@ def test_greedy_completions_equal_envloop_generation_streamed_or_not(hf_policy):
         )  # fmt: skip
         chunks = list(stream)
     assert reply.choices[0].message.content == own_text
+    ended = own_ids[-1] == tokenizer.eos_token_id  # else cut at the backend's max_new_tokens
+    assert reply.choices[0].finish_reason == ("stop" if ended else "length")
     assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == n
     content_logprobs = [t.logprob for t in reply.choices[0].logprobs.content]
     expected_logprobs = own["logprobs"][0, len(prompt) : len(prompt) + n].tolist()
