@@ -138,3 +138,11 @@ def test_readme_is_a_front_page():
     assert len(text.split()) <= 1500
     assert "make demo" in text and "make test" in text
     assert re.findall(r"\]\(docs/([\w-]+\.md)", text)  # links into the site
+
+
+def test_the_demo_tables_are_the_same_in_the_readme_and_getting_started():
+    """What the README says ``make demo`` prints is what the getting-started page says."""
+    tables = re.compile(r"```\n(task .*?)```", re.S)
+    readme = tables.findall(README.read_text(encoding="utf-8"))
+    assert len(readme) == 2  # the text demo, then the vision-language demo
+    assert readme == tables.findall((ROOT / "docs" / "getting-started.md").read_text())
