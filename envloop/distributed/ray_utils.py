@@ -30,6 +30,43 @@ def init_ray(
     ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
 
 
+PLACEMENTS = ("default", "spread", "resource:<name>")
+"""The placements of actors envloop starts (see :func:`placement_options`)."""
+
+
+def placement_options(placement: str) -> dict[str, Any]:
+    """Ray actor options that place an actor as ``placement`` says.
+
+    - ``"default"``: none; Ray's ``DEFAULT`` scheduling strategy (the driver's node while
+      it has free resources, then the least used nodes).
+    - ``"spread"``: ``scheduling_strategy="SPREAD"``: actors started one after another go
+      to different nodes, round robin over the nodes that fit them.
+    - ``"resource:<name>"``: ``resources={<name>: 0.001}``: only nodes that hold the custom
+      resource ``<name>`` (``ray start --resources='{"<name>": 1}'``), e.g. a node set aside
+      for environments; a thousandth of a unit, so any number of actors fit there.
+
+    An actor that Ray restarts (its node died) is placed again the same way, on the nodes
+    alive then.
+
+    >>> placement_options("spread")
+    {'scheduling_strategy': 'SPREAD'}
+    >>> placement_options("resource:env_nodes")
+    {'resources': {'env_nodes': 0.001}}
+    >>> placement_options("everywhere")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown placement 'everywhere'; use one of default, spread, resource:<name>.
+    """
+    if placement == "default":
+        return {}
+    if placement == "spread":
+        return {"scheduling_strategy": "SPREAD"}
+    name = placement.removeprefix("resource:")
+    if placement.startswith("resource:") and name.strip():
+        return {"resources": {name: 0.001}}
+    raise ValueError(f"Unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
+
+
 def is_actor(obj: Any) -> bool:
     """Whether ``obj`` is a Ray actor handle (rather than an in-process object)."""
     try:

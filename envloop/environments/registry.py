@@ -148,18 +148,24 @@ def get_config_check(name: str) -> ConfigCheck | None:
     return check
 
 
-def create_env(env_name: str, env_config: Any = None, **ray_options: Any) -> Any:
+def create_env(
+    env_name: str, env_config: Any = None, *, placement: str = "default", **ray_options: Any
+) -> Any:
     """Start the environment registered as ``env_name`` as a Ray actor and return its handle
     (NeMo-RL's parameter names, so keyword calls port too).
 
     ``env_config`` goes to the environment's constructor; ``ray_options`` (``num_cpus``,
     ``num_gpus``, ``max_restarts``, ``runtime_env``, ``name``, ...) go to
     ``ActorClass.options``, on top of the environment's own ``actor_options(env_config)``
-    (e.g. a reward model's ``resources``) and :data:`DEFAULT_ACTOR_OPTIONS`. Ray must be
-    initialized (see :func:`envloop.distributed.ray_utils.init_ray`).
+    (e.g. a reward model's ``resources``) and :data:`DEFAULT_ACTOR_OPTIONS`. ``placement``
+    says which nodes of a cluster the actor goes to (``"default"``, ``"spread"`` or
+    ``"resource:<name>"``; see :func:`envloop.distributed.ray_utils.placement_options`),
+    beneath any ``ray_options``. Ray must be initialized (see
+    :func:`envloop.distributed.ray_utils.init_ray`).
     """
     import ray
 
+    from envloop.distributed.ray_utils import placement_options
     from envloop.environments.interfaces import actor_class
 
     cls = get_env_class(env_name)
@@ -168,7 +174,11 @@ def create_env(env_name: str, env_config: Any = None, **ray_options: Any) -> Any
             f"create_env({env_name!r}) needs a running Ray session; call "
             "envloop.distributed.ray_utils.init_ray() first."
         )
-    actor_cls = actor_class(cls, **{**cls.actor_options(env_config), **ray_options})
+    placed = placement_options(placement)
+    options = {**placed, **cls.actor_options(env_config), **ray_options}
+    if "resources" in placed:  # the placement's resource joins the environment's own
+        options["resources"] = {**placed["resources"], **(options.get("resources") or {})}
+    actor_cls = actor_class(cls, **options)
     return actor_cls.remote(env_config) if env_config is not None else actor_cls.remote()
 
 

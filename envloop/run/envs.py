@@ -29,7 +29,8 @@ def start_envs(envs: Mapping[str, EnvConfig]) -> dict[str, Any]:
     """Task name -> an environment actor, starting in the background (Ray must be running;
     see :func:`wait_until_ready`). ``bundled:<name>`` strings in configs become the bundled
     model folders; ``num_cpus`` None reserves 0 CPUs, so any number of environments fit on
-    a small machine; other resources are the environment's own (``actor_options``, e.g. a
+    a small machine; ``placement`` picks the nodes (``create_env``); other resources are
+    the environment's own (``actor_options``, e.g. a
     reward model's ``resources.gpus_per_node``), refused at once when the Ray session has
     fewer GPUs (the actor would wait for them forever)."""
     handles: dict[str, Any] = {}
@@ -40,7 +41,7 @@ def start_envs(envs: Mapping[str, EnvConfig]) -> dict[str, Any]:
             config = resolve_bundled(env.config)
             check_gpus(task, get_env_class(env.name).actor_options(config))
             num_cpus = env.num_cpus if env.num_cpus is not None else 0
-            handles[task] = create_env(env.name, config, num_cpus=num_cpus)
+            handles[task] = create_env(env.name, config, placement=env.placement, num_cpus=num_cpus)
     except BaseException:
         stop_envs(handles)
         raise

@@ -30,6 +30,7 @@ RESULT_NEUTRAL_KEYS = (
     "policy.worker_num_cpus",
     "policy.worker_num_gpus",
     "envs.*.num_cpus",
+    "envs.*.placement",
 )
 """Config keys (``ray.`` and its like: every key under it) a resumed run may change: they
 decide where and when the work runs, not what it computes. Any other change (the model,
