@@ -1,6 +1,6 @@
 """Train the bundled judge (``envloop/demo/assets/judge``) on CPU, reproducibly.
 
-    .venv/bin/python scripts/train_judge.py [--steps 1200] [--seed 0] [--out DIR]
+    .venv/bin/python scripts/train_judge.py [--steps 1200] [--seed 0] [--out DIR] [--init DIR]
 
 The judge is the bundled policy (a 4-layer Qwen3 causal LM, 0.85 M parameters, that works
 the demo's arithmetic column by column) fine-tuned to answer the judge environment's
@@ -43,7 +43,7 @@ from envloop.environments.reward_model.batching import pad_sequences
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_training import train
 
-KINDS = {"single_ref": 0.3, "single": 0.4, "group_ref": 0.1, "group": 0.2}
+KINDS = {"single_ref": 0.35, "single": 0.4, "group_ref": 0.1, "group": 0.15}
 """The share of training steps spent on each kind of judge prompt."""
 
 
@@ -92,15 +92,26 @@ def judge_example(
     return "group_comparison", "\n".join([head, *lines]), variables
 
 
+VERDICT_WEIGHT = 8
+"""Loss weight of a verdict's deciding token (``y`` of `` yes``, ``n`` of `` no``): one
+token per judgement decides it, against dozens that are copied or worked out."""
+
+
 def encode(tokenizer: Any, template: str, variables: dict[str, Any], reply: str) -> Any:
-    """Token ids [T] and loss mask [T] (1 on the judge's reply and its EOS): the prompt as
-    the judge environment builds it."""
+    """Token ids [T] and loss weights [T] (0 on the prompt, 1 on the judge's reply and its
+    EOS, :data:`VERDICT_WEIGHT` on each verdict's deciding token): the prompt as the judge
+    environment builds it."""
     prompt = load_template(template).render(variables)
     messages = [{"role": "user", "content": prompt}]
     ids = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
     reply_ids = tokenizer(reply, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return prompt_ids + reply_ids, [0] * len(prompt_ids) + [1] * len(reply_ids)
+    pieces = tokenizer.convert_ids_to_tokens(reply_ids)
+    weights = [
+        VERDICT_WEIGHT if k >= 2 and p in ("y", "n") and pieces[k - 1] == "Ġ" else 1
+        for k, p in enumerate(pieces)
+    ]
+    return prompt_ids + reply_ids, [0] * len(prompt_ids) + weights
 
 
 def example(tokenizer: Any, kind: str, item: tasks.MathItem, rng: random.Random) -> Any:
@@ -126,7 +137,7 @@ def loss_of(model: Any, batch: list[Any], pad_id: int) -> torch.Tensor:
     logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1]
     targets, weights = ids[:, 1:], mask[:, 1:].float()
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
-    return (losses * weights).sum() / weights.sum()
+    return (losses * weights).sum() / weights.sum()  # a weighted mean over reply tokens
 
 
 @torch.no_grad()
@@ -137,7 +148,7 @@ def exact_match(model: Any, batch: list[Any], pad_id: int) -> float:
     ids, attention = pad_sequences([i for i, _ in batch], pad_id)
     mask, _ = pad_sequences([m for _, m in batch], 0)
     predicted = model(input_ids=ids, attention_mask=attention, use_cache=False).logits.argmax(-1)
-    wrong = ((predicted[:, :-1] != ids[:, 1:]) & mask[:, 1:].bool()).any(dim=1)
+    wrong = ((predicted[:, :-1] != ids[:, 1:]) & (mask[:, 1:] > 0)).any(dim=1)
     model.train()
     return 1.0 - wrong.float().mean().item()
 
@@ -150,13 +161,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: shared CPUs)")
     parser.add_argument("--policy", type=Path, default=ASSETS / "policy")
+    parser.add_argument(
+        "--init", type=Path, default=None, help="start from this judge instead of the policy"
+    )
     parser.add_argument("--out", type=Path, default=ASSETS / "judge")
     args = parser.parse_args()
     started = time.monotonic()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.policy)
-    model = AutoModelForCausalLM.from_pretrained(args.policy, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.init or args.policy, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id
     rng = random.Random(args.seed)
     held_rng = random.Random(args.seed + 1)

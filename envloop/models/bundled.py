@@ -20,12 +20,13 @@ __all__ = [
 
 BUNDLED_PREFIX = "bundled:"
 ASSETS = Path(__file__).resolve().parents[1] / "demo" / "assets"
-BUNDLED_NAMES = ("policy", "policy_early", "reward_model", "vlm_policy")
+BUNDLED_NAMES = ("policy", "policy_early", "reward_model", "vlm_policy", "judge")
 _RECIPES = {
     "policy": "scripts/train_demo_policy.py",
     "policy_early": "scripts/train_demo_policy.py --save-at 1000 envloop/demo/assets/policy_early",
     "reward_model": "scripts/train_demo_reward_model.py",
     "vlm_policy": "scripts/train_demo_vlm_policy.py",
+    "judge": "scripts/train_judge.py",
 }
 """The command that writes each bundled model (``policy_early``: step 1000 of the policy's
 own 1800-step run, the starting point of ``examples/grpo_train.py``)."""

@@ -14,7 +14,7 @@ not starting or ending with ``-`` or ``.``, without ``--`` or ``..``, at most 96
 >>> model_problem("policy.model_name", "/nonexistent")  # doctest: +NORMALIZE_WHITESPACE
 "policy.model_name: no such folder: '/nonexistent' (read as a local path; hub ids look like
 org/name, e.g. Qwen/Qwen3-0.6B). Set policy.model_name to an existing model folder, a hub id or
-bundled:<name> (policy, policy_early, reward_model, vlm_policy)."
+bundled:<name> (policy, policy_early, reward_model, vlm_policy, judge)."
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_every_problem_is_reported_at_once_with_its_dotted_key(config_file):
         "rollout.batch_size: must be >= 1, got 0",
         "rollout.mode: 'asynch' is not one of sync, async. Did you mean 'async'?",
         "policy.model_name: No bundled model 'nothing'; the bundled models are policy, "
-        "policy_early, reward_model, vlm_policy (write e.g. 'bundled:policy').",
+        "policy_early, reward_model, vlm_policy, judge (write e.g. 'bundled:policy').",
     ]  # environment configs are checked once the rest is valid (a custom one imports torch)
     problems = problems_of(config_file, environments)
     # Other tests register environments too: the list of known names varies.

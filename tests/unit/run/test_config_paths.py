@@ -50,7 +50,7 @@ def test_an_existing_relative_folder_is_a_path(tmp_path, monkeypatch):
 def test_model_problems(tmp_path):
     fix = (
         "Set k to an existing model folder, a hub id or bundled:<name> "
-        "(policy, policy_early, reward_model, vlm_policy)."
+        "(policy, policy_early, reward_model, vlm_policy, judge)."
     )
     assert model_problem("k", str(tmp_path)) is None
     assert model_problem("k", "Qwen/Qwen3-0.6B") is None  # loads later, or says why not
@@ -65,7 +65,7 @@ def test_model_problems(tmp_path):
     )
     assert model_problem("k", "bundled:critic") == (
         "k: No bundled model 'critic'; the bundled models are policy, policy_early, "
-        "reward_model, vlm_policy (write e.g. 'bundled:policy')."
+        "reward_model, vlm_policy, judge (write e.g. 'bundled:policy')."
     )
 
 
