@@ -9,6 +9,9 @@ defined.
 
 from __future__ import annotations
 
+import ast
+import asyncio
+import inspect
 import json
 import re
 from pathlib import Path
@@ -40,12 +43,28 @@ def continued_page(text: str) -> str | None:
 
 def run_blocks(path: Path, namespace: dict) -> dict:
     """Run ``path``'s blocks in order in ``namespace`` (skipped ones only compiled); returns
-    it."""
+    it. A block may ``await`` at its top level, as in ``python -m asyncio``: it then runs in
+    an event loop of its own.
+    """
     for reason, code in python_blocks(path.read_text(encoding="utf-8")):
-        compiled = compile(code, str(path), "exec")  # a skipped block still compiles
-        if reason is None:
+        # a skipped block still compiles
+        compiled = compile(code, str(path), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+        if reason is None and compiled.co_flags & inspect.CO_COROUTINE:
+            asyncio.run(eval(compiled, namespace))
+        elif reason is None:
             exec(compiled, namespace)
     return namespace
+
+
+def test_blocks_run_in_order_and_may_await_at_their_top_level(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport asyncio\nx = 1\n```\n"
+        "```python\nawait asyncio.sleep(0)\ny = x + 1\n```\n"
+        "<!-- not run: illustrative -->\n```python\nz = await undefined()\n```\n"
+    )
+    namespace = run_blocks(page, {})
+    assert (namespace["x"], namespace["y"], "z" in namespace) == (1, 2, False)
 
 
 def test_python_blocks_are_found_with_their_skip_reasons():
