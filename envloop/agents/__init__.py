@@ -7,6 +7,8 @@ agent programs written against the OpenAI API (see docs/agents.md).
 - :func:`run_agent_rollouts`: ``await agent(base_url, datum)`` for every sample of a batch,
   each with its own session, scored by the sample's environment; returns the final batch
   and metrics the rollout engines return.
+- :func:`segment_advantages`: GRPO advantages of that batch, grouped by sample (a sample
+  whose agent rewrote its history has a row per segment).
 
 Needs the ``agents`` extra (``pip install 'envloop[agents]'``: starlette, uvicorn, openai).
 """
@@ -21,6 +23,7 @@ except ModuleNotFoundError as error:  # pragma: no cover - depends on the instal
         "pip install 'envloop[agents]'.",
         name=error.name,
     ) from error
+from envloop.agents.advantages import segment_advantages
 from envloop.agents.rollout import run_agent_rollouts
 from envloop.agents.sessions import Segment, Session
 from envloop.agents.tool_calls import TOOL_CALL_FORMATS, ToolCall, tool_call_parser
@@ -32,5 +35,6 @@ __all__ = [
     "Session",
     "ToolCall",
     "run_agent_rollouts",
+    "segment_advantages",
     "tool_call_parser",
 ]

@@ -12,7 +12,7 @@ import openai
 import pytest
 import torch
 
-from envloop.agents import run_agent_rollouts
+from envloop.agents import run_agent_rollouts, segment_advantages
 from envloop.algorithms.grpo import training_batch
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.models.generation.scripted_generation import ScriptedGeneration
@@ -180,8 +180,10 @@ def test_a_rewritten_history_is_one_row_per_segment_with_the_sample_s_reward(rol
 
 def test_the_grpo_blocks_train_on_exactly_the_sampled_tokens(rollout, tiny_tokenizer):
     _, final, _ = rollout
-    size = len(final["message_log"])
-    train = training_batch(final, torch.ones(size), tiny_tokenizer.pad_token_id)
+    advantages = segment_advantages(final, group_size=4)
+    start, rewrite = rows_of(final, REWRITES)
+    assert advantages[start] == advantages[rewrite]
+    train = training_batch(final, advantages, tiny_tokenizer.pad_token_id)
     for r, log in enumerate(final["message_log"]):
         sampled = sum(len(m["token_ids"]) for m in log if "generation_logprobs" in m)
         trainable = int(train["token_loss_mask"][r].sum())
