@@ -1,6 +1,6 @@
 """Memory per sample of a GRPO batch's image inputs: each sample's images concatenated
-(the plain flattening) against deduplicated media (each image stored once), side by side
-in one run.
+into one tensor against envloop's flattening (each image stored once), side by side in
+one run.
 
 Workload: ``--prompts`` prompts with one image each, repeated ``--generations`` times
 (``BatchedDataDict.repeat_interleave``, as the dataset builds a rollout batch); each
@@ -10,10 +10,12 @@ environment's observation). The image inputs are the tiny Qwen2.5-VL processor's
 image; a real processor's images are larger, the ratios the same). Each configuration is
 flattened into the training batch (``batched_message_log_to_flat_message``):
 
-- concatenated: the default; each sample's images are one tensor, so a prompt image is
-  copied into every generation's row once the sample has a second image message;
-- deduplicated: ``deduplicate_multimodal_data=True`` (or media shared with
-  ``repeat_interleave(..., share_immutable_media=True)``); rows reference the images.
+- concatenated: each sample's images are one tensor (a sample with one image keeps that
+  tensor), so a prompt's image is copied into every generation's row once the sample has
+  a second image message; NeMo-RL's plain flattening does this (and copies single images
+  too);
+- referenced: envloop's flattening; rows reference the messages' tensors, and the tensors
+  a prompt's generations share (``repeat_interleave`` shares them) are stored once.
 
 Reported per sample: the bytes the batch's vision columns hold (distinct tensor storages)
 and the bytes of the batch pickled (what a Ray worker is sent), and the time to flatten
@@ -89,12 +91,23 @@ def vision_bytes(batch: BatchedDataDict) -> int:
     return sum(storages.values())
 
 
-def measure(logs: list[list[dict]], deduplicate: bool, repeats: int = 5) -> dict[str, Any]:
+def concatenated(flat: BatchedDataDict) -> BatchedDataDict:
+    """``flat`` with each PackedTensor column's rows materialised, one tensor per row."""
+    out = BatchedDataDict(flat)
+    for key, value in flat.items():
+        if isinstance(value, PackedTensor):
+            out[key] = PackedTensor(list(value), value.dim_to_pack)
+    return out
+
+
+def measure(logs: list[list[dict]], concatenate: bool, repeats: int = 5) -> dict[str, Any]:
     """Per-sample bytes, and the fastest of ``repeats`` flattenings."""
     seconds = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        flat, _ = batched_message_log_to_flat_message(logs, deduplicate_multimodal_data=deduplicate)
+        flat, _ = batched_message_log_to_flat_message(logs)
+        if concatenate:
+            flat = concatenated(flat)
         seconds = min(seconds, time.perf_counter() - start)
     n = len(logs)
     return {
@@ -116,11 +129,11 @@ def main() -> None:
         f"{args.prompts} prompts x {args.generations} generations; KB per sample "
         "(vision columns held / batch pickled), flatten time"
     )
-    header = f"{'turns':>5} | {'concatenated':>24} | {'deduplicated':>24} | {'held saved':>10}"
+    header = f"{'turns':>5} | {'concatenated':>24} | {'referenced':>24} | {'held saved':>10}"
     print(header + "\n" + "-" * len(header))
     for turns in args.turns:
         logs = rollout_logs(processor, args.prompts, args.generations, turns)
-        plain, shared = measure(logs, False), measure(logs, True)
+        plain, shared = measure(logs, True), measure(logs, False)
         assert (plain["pixels"] == shared["pixels"]).all()  # the model sees the same input
         cells = [
             f"{m['held'] / 1024:7.0f} / {m['pickled'] / 1024:6.0f} KB {m['ms']:5.1f} ms"

@@ -40,17 +40,15 @@ def message_log_to_flat_messages(
     (``RuntimeError`` naming the key otherwise).
 
     A key whose values are ``PackedTensor`` (a message's vision inputs, e.g.
-    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]) becomes a one-item
-    ``PackedTensor``: the items of every message holding the key, concatenated along
-    ``dim_to_pack`` in message order (the log's images in the order the model sees their
-    placeholders). Messages without the key contribute nothing (vision inputs are not
-    per-token, so nothing is zero-filled).
-    A key that is a ``PackedTensor`` in one message must be one in every message holding it
-    (``TypeError`` naming the key otherwise). If any message's value is deduplicated
-    (``PackedTensor.enable_deduplication``), or with ``deduplicate_multimodal_data``, the
-    row references the messages' tensors instead of concatenating them
-    (``PackedTensor.merge_segments``): nothing is copied, and images shared by several logs
-    stay stored once when the logs are batched.
+    ``pixel_values`` [patches, D] and ``image_grid_thw`` [images, 3]) becomes a one-row
+    ``PackedTensor`` referencing the tensors of every message holding the key, in message
+    order (the log's images in the order the model sees their placeholders); reading the
+    row (``p[0]``, ``as_tensor()``) concatenates them along ``dim_to_pack``. Nothing is
+    copied, so images shared by several logs stay stored once when the logs are batched.
+    Messages without the key contribute nothing (vision inputs are not per-token, so
+    nothing is zero-filled). A key that is a ``PackedTensor`` in one message must be one
+    in every message holding it (``TypeError`` naming the key otherwise).
+    ``deduplicate_multimodal_data`` gives the values provenance (on copies) first.
 
     >>> log = [
     ...     {"role": "user", "content": "a", "token_ids": torch.tensor([1, 2])},
@@ -107,14 +105,14 @@ def batched_message_log_to_flat_message(
     ``make_sequence_length_divisible_by``. A sample with no tensor for a key gets an all-pad
     row. ``input_lengths`` is [B] int32: per sample, its longest flattened tensor (its
     ``token_ids`` length for tokenized logs). ``PackedTensor`` keys (vision inputs) become
-    one ``PackedTensor`` with one item per sample: that sample's items of every message,
-    concatenated (None for a sample without the key); they do not count towards
-    ``input_lengths`` or L. With deduplicated values (or ``deduplicate_multimodal_data``),
-    that ``PackedTensor`` stores each image's tensors once however many samples (the
-    generations of a prompt) and messages reference them (docs/multimodal_data.md); a
-    batch mixing deduplicated values with a sample whose plain values are several rows
-    raises ``MisalignedMediaError`` (an ``AssertionError`` and ``ValueError``), as the
-    published interface does. Other keys become per-sample lists of the
+    one ``PackedTensor`` with one row per sample: that sample's tensors of every message
+    (no tensor for a sample without the key); they do not count towards ``input_lengths``
+    or L. It stores each tensor once however many samples (the generations of a prompt)
+    and messages reference it (docs/multimodal_data.md). A batch mixing deduplicated values
+    (``PackedTensor.enable_deduplication``) with a sample whose plain values are several
+    rows raises ``MisalignedMediaError`` (an ``AssertionError`` and ``ValueError``), as
+    the published interface does; ``deduplicate_multimodal_data`` treats every value as
+    deduplicated. Other keys become per-sample lists of the
     messages' values (``[]`` for a sample without the key). A batch with no tensors at all
     maps each key to each sample's first value (None if absent) with empty
     ``input_lengths``, as the published interface does; an empty batch gives an empty
@@ -147,9 +145,7 @@ def batched_message_log_to_flat_message(
         k: _packed_batch(
             k,
             [f.get(k) for f in flats],
-            [None] * len(flats)
-            if deduplicate_multimodal_data
-            else _plain_rows(message_log_batch, k),
+            *_raw_media(message_log_batch, k, deduplicate_multimodal_data),
         )
         for k in keys
         if any(isinstance(f.get(k), PackedTensor) for f in flats)
@@ -321,27 +317,34 @@ def _check_packed_keys_hold_only_packed(
 
 
 def _packed_log_item(key: str, values: list[PackedTensor]) -> PackedTensor:
-    """One row: every message's rows of ``key`` joined (no tensor if none present).
+    """One row: every message's tensors of ``key``, in order (no tensor if none present).
 
-    Plain values are concatenated into one tensor; if any value is deduplicated (or
-    segmented) the row references the messages' segments (``PackedTensor.merge_segments``),
-    so an image shared by the generations of a prompt stays stored once."""
+    The row references the messages' tensors instead of concatenating them: a plain row
+    for one tensor (that tensor itself), else a segmented row
+    (``PackedTensor.merge_segments`` when any value is deduplicated). Batched, the rows of
+    a prompt's generations then share its image's tensors instead of each holding a copy."""
     common_dim_to_pack(values, key)
     _check_packed_consistency(key, values, "in one message log's PackedTensor items")
     if any(v.segmented for v in values):
         return PackedTensor.merge_segments(values)
-    dim = values[0].dim_to_pack
+    dim, padding = values[0].dim_to_pack, values[0].pad_to_max_shape
     present = [t for v in values for t in v.present]
-    return PackedTensor.flattened_concat(
-        [PackedTensor(present, dim, pad_to_max_shape=values[0].pad_to_max_shape)]
+    if len(present) <= 1:
+        return PackedTensor(present or [None], dim, pad_to_max_shape=padding)
+    refs = list(range(len(present)))
+    return PackedTensor(
+        present, dim, pad_to_max_shape=padding, _row_offsets=[0, len(refs)], _segment_indices=refs
     )
 
 
-def _packed_batch(key: str, values: list[Any], plain_rows: list[int | None]) -> PackedTensor:
+def _packed_batch(
+    key: str, values: list[Any], deduplicated: list[int], plain_rows: list[int | None]
+) -> PackedTensor:
     """Per-sample one-row PackedTensors joined; empty rows for samples without ``key``.
 
-    ``plain_rows``: per sample, the rows of its messages' plain (not deduplicated) values
-    of ``key`` (None for a sample whose values are deduplicated or that lacks the key)."""
+    ``deduplicated``: the samples whose messages hold deduplicated values of ``key``;
+    ``plain_rows``: per sample, the rows of its messages' plain values of ``key`` (None for
+    a deduplicated sample or one without the key)."""
     others = [i for i, v in enumerate(values) if v is not None and not isinstance(v, PackedTensor)]
     if others:
         names = [type(values[i]).__name__ for i in others]
@@ -352,7 +355,6 @@ def _packed_batch(key: str, values: list[Any], plain_rows: list[int | None]) -> 
         )
     packed = [v for v in values if v is not None]
     common_dim_to_pack(packed, key)
-    deduplicated = [i for i, v in enumerate(values) if v is not None and v.segmented]
     misaligned = [(i, n) for i, n in enumerate(plain_rows) if n is not None and n != 1]
     if deduplicated and misaligned:
         i, n = misaligned[0]
@@ -390,15 +392,22 @@ def _deduplicated(value: PackedTensor) -> PackedTensor:
     return value if value.deduplication_enabled else copy.deepcopy(value).enable_deduplication()
 
 
-def _plain_rows(logs: Sequence[LLMMessageLogType], key: str) -> list[int | None]:
-    """Per log, the rows of its messages' plain ``PackedTensor`` values of ``key`` (None if
-    it has none of them, or any is deduplicated)."""
-    out: list[int | None] = []
-    for log in logs:
+def _raw_media(
+    logs: Sequence[LLMMessageLogType], key: str, deduplicate: bool
+) -> tuple[list[int], list[int | None]]:
+    """The samples whose messages hold deduplicated (or segmented) ``PackedTensor`` values of
+    ``key`` (every sample holding it, with ``deduplicate``), and per sample the rows of its
+    plain ones (None for those samples and for samples without the key)."""
+    deduplicated: list[int] = []
+    plain_rows: list[int | None] = []
+    for i, log in enumerate(logs):
         values = [m[key] for m in log if isinstance(m.get(key), PackedTensor)]
-        plain = values and not any(v.segmented for v in values)
-        out.append(sum(len(v) for v in values) if plain else None)
-    return out
+        if values and (deduplicate or any(v.segmented for v in values)):
+            deduplicated.append(i)
+            plain_rows.append(None)
+        else:
+            plain_rows.append(sum(len(v) for v in values) if values else None)
+    return deduplicated, plain_rows
 
 
 def _concat_parts(key: str, parts: list[torch.Tensor]) -> torch.Tensor:

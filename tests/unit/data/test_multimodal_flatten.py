@@ -195,40 +195,46 @@ def _grpo_logs(processor, share: bool) -> list[list[dict]]:
     return logs
 
 
-def test_shared_prompt_images_are_stored_once_and_read_as_the_copied_ones(processor):
-    plain, _ = batched_message_log_to_flat_message(_grpo_logs(processor, share=False))
-    shared, _ = batched_message_log_to_flat_message(_grpo_logs(processor, share=True))
+@pytest.mark.parametrize("share", [False, True])
+def test_a_prompt_image_is_stored_once_for_all_its_generations_and_turns(processor, share):
+    logs = _grpo_logs(processor, share)
+    flat, _ = batched_message_log_to_flat_message(logs)
     for key in VISION_KEYS:
-        assert not plain[key].segmented and len(plain[key].tensors) == 6
-        packed = shared[key]
+        packed = flat[key]
         assert packed.deduplication_enabled and len(packed) == 6
         assert len(packed.tensors) == 2 + 2  # two prompt images, two second-turn images
         assert packed.logical_segment_counts_by_row() == [1, 2, 1, 1, 2, 1]
-        assert torch.equal(packed.as_tensor(), plain[key].as_tensor())
-        for row in range(6):
-            assert torch.equal(packed[row], plain[key][row])
-    inputs = shared.get_multimodal_dict(as_tensors=True)
-    assert torch.equal(inputs["pixel_values"], plain["pixel_values"].as_tensor())
-    for shard in shared.shard_by_batch_size(2):  # prompt 0 / prompt 1
+        copied = [torch.cat([m[key][0] for m in log if key in m]) for log in logs]
+        for row in range(6):  # each row reads as its own images concatenated
+            assert torch.equal(packed[row], copied[row])
+        assert torch.equal(packed.as_tensor(), torch.cat(copied))
+    inputs = flat.get_multimodal_dict(as_tensors=True)
+    assert torch.equal(
+        inputs["image_grid_thw"],
+        torch.cat([m["image_grid_thw"][0] for log in logs for m in log if "image_grid_thw" in m]),
+    )
+    for shard in flat.shard_by_batch_size(2):  # prompt 0 / prompt 1
         assert len(shard["pixel_values"].tensors) == 2
 
 
-def test_flattening_can_deduplicate_plain_media_itself(processor):
+def test_flattening_can_treat_every_value_as_deduplicated(processor):
     logs = _grpo_logs(processor, share=False)  # repeats share the tensors, no provenance
     plain, _ = batched_message_log_to_flat_message(logs)
     shared, _ = batched_message_log_to_flat_message(logs, deduplicate_multimodal_data=True)
     for key in VISION_KEYS:
-        packed = shared[key]
-        assert packed.deduplication_enabled and len(packed.tensors) == 4
-        assert torch.equal(packed.as_tensor(), plain[key].as_tensor())
+        assert shared[key].deduplication_enabled and len(shared[key].tensors) == 4
+        assert torch.equal(shared[key].as_tensor(), plain[key].as_tensor())
     assert not any(
         m[k].deduplication_enabled for log in logs for m in log for k in VISION_KEYS if k in m
     )
+    deduplicated = BatchedDataDict({"message_log": logs[:1]}).repeat_interleave(
+        1, share_immutable_media=True
+    )["message_log"]
     two_turns = get_formatted_message_log(
         _conversation([[_image(70)], [_image(71)]], "x"), processor
     )
     mixed, _ = batched_message_log_to_flat_message(
-        [logs[0], two_turns], deduplicate_multimodal_data=True
+        [*deduplicated, two_turns], deduplicate_multimodal_data=True
     )
     assert mixed["pixel_values"].logical_segment_counts_by_row() == [1, 2]
 
