@@ -14,6 +14,8 @@ run needs to go on.
 - ``finished.txt``: the ledger: one finished sample id per line.
 - ``batches.jsonl``: the rollout metrics of each rollout call that ran to its end (``size``
   samples, ``metrics``).
+- ``lock``: locked (``flock``) by the process writing the journal, which it names; a run
+  started, or resumed, on a directory another run is still writing refuses to.
 
 Once the run has written its rollout files and ``metrics.json`` from the journal, the
 journal is removed: a finished run directory holds what it held before journals existed.
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import array
 import base64
+import fcntl
 import json
 import os
 import queue
@@ -49,6 +52,7 @@ RUN_FILE = "run.json"
 RECORDS_FILE = "records.jsonl"
 LEDGER_FILE = "finished.txt"
 BATCHES_FILE = "batches.jsonl"
+LOCK_FILE = "lock"
 FORMAT = 1
 
 
@@ -68,6 +72,7 @@ class RunJournal:
         self._records: IO[bytes] | None = None
         self._ledger: IO[bytes] | None = None
         self._batches: IO[bytes] | None = None
+        self._lock: IO[str] | None = None
 
     @property
     def total(self) -> int:
@@ -97,11 +102,14 @@ class RunJournal:
         for path in (run_dir / IMAGES_DIR).glob("*.png"):  # an earlier run's images
             if _is_image_name(path.name):
                 path.unlink()
+        if (run_dir / JOURNAL_DIR / LOCK_FILE).is_file():
+            _take_lock(run_dir / JOURNAL_DIR).close()  # no other run is writing it
         shutil.rmtree(run_dir / JOURNAL_DIR, ignore_errors=True)
         (run_dir / JOURNAL_DIR).mkdir()
         header = {"format": FORMAT, "samples": total, "inputs": fingerprint, "attempt": 1,
                   "config": dict(config)}  # fmt: skip
         journal = cls(run_dir, header)
+        journal._lock = _take_lock(journal.dir)
         journal._write_header()
         journal._open()
         return journal
@@ -121,7 +129,10 @@ class RunJournal:
         finished samples' complete lines and opened to append; its attempt counts one more
         and ``config`` (when given) replaces the recorded one (the caller checked that the
         change changes no result: :func:`envloop.run.resume.check_resumable`)."""
+        read_header(run_dir)  # a journal is there (else an error naming the directory)
+        lock = _take_lock(Path(run_dir) / JOURNAL_DIR)
         journal = cls.read(run_dir)
+        journal._lock = lock
         journal.header["attempt"] = int(journal.header.get("attempt", 1)) + 1
         if config is not None:
             journal.header["config"] = dict(config)
@@ -181,10 +192,11 @@ class RunJournal:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def close(self) -> None:
-        for file in (self._records, self._ledger, self._batches):
+        """Close the files and release the journal's lock."""
+        for file in (self._records, self._ledger, self._batches, self._lock):
             if file is not None:
                 file.close()
-        self._records = self._ledger = self._batches = None
+        self._records = self._ledger = self._batches = self._lock = None
 
     def _store_image(self, png: bytes) -> str:
         name = image_file_name(png)
@@ -339,6 +351,28 @@ def _unpacked(line: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict) and "array" in value:
             line[key] = array.array(value["array"], base64.b64decode(value["base64"])).tolist()
     return line
+
+
+def _take_lock(folder: Path) -> IO[str]:
+    """``folder/lock``, open and locked (``flock``) by this process, holding its pid; the
+    system releases the lock when the process ends, however it ends. RuntimeError naming
+    the process when another one holds it (a run still writing the directory)."""
+    lock = (folder / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        pid = lock.read().strip() or "unknown"
+        lock.close()
+        raise RuntimeError(
+            f"{folder.parent} is being written by another envloop run (process {pid}): wait "
+            "for it to end, or stop it (Ctrl-C or kill), then run again"
+        ) from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def _append(file: IO[bytes], data: bytes) -> None:

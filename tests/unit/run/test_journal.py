@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import json
+import os
 
 import pytest
 from PIL import Image
@@ -124,3 +125,18 @@ def test_token_columns_come_back_exactly(tmp_path):
     [back] = RunJournal.read(tmp_path).records()
     assert back == {**record(0), **tokens}
     assert "151643" not in (tmp_path / JOURNAL_DIR / RECORDS_FILE).read_text()  # packed
+
+
+def test_a_directory_another_run_is_writing_is_refused(tmp_path):
+    writing = RunJournal.start(tmp_path, CONFIG, "abc", total=2)  # holds the lock
+    for start_again in (
+        lambda: RunJournal.start(tmp_path, CONFIG, "abc", total=2),
+        lambda: RunJournal.resume(tmp_path),
+    ):
+        with pytest.raises(RuntimeError, match=f"another envloop run \\(process {os.getpid()}\\)"):
+            start_again()
+    writing.add(record(0))
+    writing.close()  # the lock goes with it
+    resumed = RunJournal.resume(tmp_path)
+    assert resumed.finished == 1
+    resumed.close()
