@@ -50,21 +50,26 @@ from envloop.distributed.loop_thread import LoopThread
 from envloop.environments.groups import prompt_key
 from envloop.environments.interfaces import EnvironmentInterface, EnvironmentReturn
 from envloop.environments.judge.calls import JudgeClient, make_backend
-from envloop.environments.judge.config import DEFAULTS, config_problems, validate_config
+from envloop.environments.judge.config import (
+    DEFAULTS,
+    JudgeEnvConfig,
+    config_problems,
+    validate_config,
+)
 from envloop.environments.judge.metrics import JudgeMetrics
 from envloop.environments.judge.outcomes import Judged, judged_return, score_replies
 from envloop.environments.judge.templates import load_template, template_variables
 from envloop.environments.judge.verdicts import aggregate, group_verdicts
 from envloop.environments.utils import last_assistant_text, parse_cap_reason
 
-__all__ = ["DEFAULTS", "JudgeEnvironment"]
+__all__ = ["DEFAULTS", "JudgeEnvConfig", "JudgeEnvironment"]
 Item = tuple[list[int], EnvironmentReturn]
 
 
 class JudgeEnvironment(EnvironmentInterface):
     """Scores responses with an LLM judge; see the module docstring."""
 
-    def __init__(self, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: JudgeEnvConfig | None = None) -> None:
         problems = config_problems(config)
         if problems:
             raise ConfigError("JudgeEnvConfig", problems)

@@ -89,7 +89,8 @@ class JudgeEnvConfig(TypedDict, total=False):
     judge: Annotated[
         JudgeBackendConfig,
         Field(
-            default_factory=lambda: HfJudgeConfig(**DEFAULT_JUDGE),
+            default_factory=lambda: dict(DEFAULT_JUDGE),
+            validate_default=True,
             description="the judge's generation backend, as a run's policy section",
         ),
     ]
@@ -129,7 +130,9 @@ class JudgeEnvConfig(TypedDict, total=False):
     max_prompt_tokens: Annotated[
         int, Field(4096, ge=1, description="a longer judge prompt fails its sample")
     ]
-    observation_role: Annotated[str, Field("environment", min_length=1)]
+    observation_role: Annotated[
+        str, Field("environment", min_length=1, description="role of the judge's observations")
+    ]
     num_cpus: Annotated[float, Field(1, ge=0, description="CPUs Ray reserves for the actor")]
     max_parse_chars: MaxParseChars  # of a response rendered into the judge prompt
 
