@@ -62,6 +62,8 @@ class ServerClient:
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
         self._gate: AttemptGate | None = None
+        self._reloading: asyncio.Lock | None = None
+        self._last_reload: WeightReload | None = None
 
     async def open(self) -> None:
         """Create the HTTP session and the concurrency bound on the running loop."""
@@ -71,6 +73,7 @@ class ServerClient:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self._slots = asyncio.Semaphore(limit)
         self._gate = AttemptGate()
+        self._reloading = asyncio.Lock()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -112,16 +115,31 @@ class ServerClient:
         the served model takes images)."""
         await self.dialect.start(server, self.get_json, vision)
 
+    async def admit(self, server: ServerSlot) -> None:
+        """Let ``server``, which answered its probe request, take requests. After a weight
+        update it first reloads that update's checkpoint, so that it serves the current
+        version; raises :class:`RetryableFailure` if that fails (it stays out)."""
+        assert self._reloading is not None
+        async with self._reloading:
+            if self._last_reload is not None:
+                failed = await reload_servers(self.control, [server], self._last_reload)
+                if failed:
+                    raise RetryableFailure(
+                        f"reloading the weights of version {self.version}: {failed[server.url]}"
+                    )
+            self.router.join(server)
+
     async def update_weights(self, reload: WeightReload, version: int) -> dict[str, str]:
-        """Send ``reload``'s requests to every server once the attempts in flight are
-        answered (new ones wait until all servers are done); ``version`` becomes the
-        served version if every server reloaded. Returns the error of each server that
-        failed, by URL (empty: all reloaded)."""
-        assert self._gate is not None
-        async with self._gate.closed():
-            failed = await reload_servers(self.control, self.router.servers, reload)
+        """Send ``reload``'s requests to every server that has joined once the attempts in
+        flight are answered (new ones wait until all servers are done); ``version`` becomes
+        the served version if every server reloaded (servers joining later reload it
+        first: :meth:`admit`). Returns the error of each server that failed, by URL
+        (empty: all reloaded)."""
+        assert self._gate is not None and self._reloading is not None
+        async with self._gate.closed(), self._reloading:
+            failed = await reload_servers(self.control, self.router.joined, reload)
             if not failed:
-                self.version = version
+                self.version, self._last_reload = version, reload
         return failed
 
     async def control(self, server: ServerSlot, request: ControlRequest) -> None:

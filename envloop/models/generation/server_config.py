@@ -69,7 +69,8 @@ class ServerGenerationConfig(Config):
     retry_backoff_s: Annotated[float, Field(gt=0)] = 0.5
     """First retry's mean wait; each further retry doubles it (up to 30 s)."""
     startup_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    """Seconds to wait on construction for every server to answer the probe request."""
+    """Seconds construction waits for a first server to answer the probe request (it
+    starts with those that answer; the others join the routing when they answer)."""
 
     @model_validator(mode="after")
     def _dialect_takes_the_sampling(self) -> ServerGenerationConfig:

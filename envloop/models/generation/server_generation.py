@@ -4,10 +4,12 @@ and token out over HTTP.
 Each row's prompt goes to a server as token ids, and the generated token ids and their
 log-probabilities are read from the server's answer (:mod:`server_dialects`), so the tokens a
 trainer sees are exactly the sampled ones: text is never re-tokenized between turns. On
-construction every server answers a probe request, and one whose answer carries no token
-ids stops start-up with an error. Requests run on a private event loop in a background
-thread (:mod:`server_client`), reached from ``generate`` (blocking) and ``generate_async``
-(from any event loop) alike; :mod:`server_routing` picks each request's server.
+construction the servers get a probe request (:mod:`server_fleet`): the backend starts with
+those that answer, warns about the others, which join the routing when they answer, and
+fails only when none answers within ``startup_timeout_s`` or one answers without token ids.
+Requests run on a private event loop in a background thread (:mod:`server_client`), reached
+from ``generate`` (blocking) and ``generate_async`` (from any event loop) alike;
+:mod:`server_routing` picks each request's server.
 
 Rows with images (a vision-language model's prompts, with the row's PIL images in the
 ``images`` column) go as each dialect's multimodal input (:mod:`server_media`).
@@ -19,10 +21,9 @@ generated token is labelled with the policy version whose weights produced it.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
-import time
+import warnings
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
@@ -46,14 +47,8 @@ from envloop.models.generation.interfaces import (
 from envloop.models.generation.policy_versions import next_policy_version
 from envloop.models.generation.server_client import ServerClient
 from envloop.models.generation.server_config import ServerGenerationConfig
-from envloop.models.generation.server_dialects import (
-    GenerationFailed,
-    GenerationRequest,
-    MalformedReply,
-    RetryableFailure,
-    Sampling,
-    make_dialect,
-)
+from envloop.models.generation.server_dialects import GenerationRequest, Sampling, make_dialect
+from envloop.models.generation.server_fleet import ServerFleet
 from envloop.models.generation.server_media import VisionTokens, request_images
 from envloop.models.generation.server_weights import WeightUpdateFailed
 from envloop.models.tokenizers import apply_chat_template_settings
@@ -134,12 +129,20 @@ class ServerGeneration(GenerationInterface):
         self._loop = LoopThread("envloop-server-client")
         dialect = make_dialect(config.dialect, config.model, self._decode)
         self._client = ServerClient(config, dialect, self.vocab_size)
+        self._fleet: ServerFleet | None = None
         try:
             self._loop.run(self._client.open())
-            self._loop.run(self._start())
+            waiting = self._loop.run(self._start())
         except BaseException:
             self.shutdown()
             raise
+        if waiting:
+            warnings.warn(
+                f"Starting with {len(self._client.router.joined)} of {len(config.base_urls)} "
+                f"server(s); not answering yet: {'; '.join(waiting)}. Each joins the routing "
+                "when it answers its probe request.",
+                stacklevel=2,
+            )
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -210,14 +213,21 @@ class ServerGeneration(GenerationInterface):
         """Counters of this backend's HTTP requests (``requests``, ``retries``,
         ``failed_rows``, ``score_requests``: the follow-up requests its dialect sent to fill
         log-probabilities a reply lacked, llama.cpp's scoring requests) and each server's
-        outstanding requests."""
+        outstanding and ``answered`` requests, by URL; ``joined``: the URLs of the servers that
+        take requests."""
         servers = {s.url: s.outstanding for s in self._client.router.servers}
-        return {**self._client.counts, "outstanding": servers}
+        router = self._client.router
+        answered = {s.url: s.answered for s in router.servers}
+        joined = [s.url for s in router.joined]
+        return {**self._client.counts, "outstanding": servers, "answered": answered,
+                "joined": joined}  # fmt: skip
 
     def shutdown(self) -> bool:
         """Close the HTTP session and stop the client's thread; the instance is unusable
         afterwards."""
         if self._loop.running:
+            if self._fleet is not None:
+                self._loop.run(self._fleet.close())
             self._loop.run(self._client.close())
             self._loop.close(wait=True)
         return True
@@ -281,7 +291,7 @@ class ServerGeneration(GenerationInterface):
                 f"The batch has images but dialect {config.dialect!r} cannot send them: "
                 f"{dialect.images_refused}."
             )
-        for server in self._client.router.servers:
+        for server in self._client.router.joined:
             refused = dialect.images_refused_by(server.media)
             if refused is not None:
                 raise ValueError(f"The batch has images but {server.url} {refused}.")
@@ -294,7 +304,7 @@ class ServerGeneration(GenerationInterface):
 
     def _update_failure(self, checkpoint: str, failed: dict[str, str]) -> str:
         """The error of an update that failed on the servers of ``failed`` (URL: error)."""
-        urls = [server.url for server in self._client.router.servers]
+        urls = [server.url for server in self._client.router.joined]
         lines = [
             f"update_weights({checkpoint!r}) failed on {len(failed)} of {len(urls)} "
             f"server(s); the policy version stays {self.policy_version}:",
@@ -331,47 +341,14 @@ class ServerGeneration(GenerationInterface):
         output["generation_error"] = [result.error for result in results]
         return output
 
-    async def _start(self) -> None:
-        """Wait for every server to answer what its dialect asks at start-up (vLLM without
-        ``model``: the model's name; llama.cpp serving a VLM: its image input) and a probe
-        request with token ids."""
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        probe_token = _probe_token(self.tokenizer)
-        await asyncio.gather(
-            *(self._probe(server, probe_token, deadline) for server in self._client.router.servers)
+    async def _start(self) -> list[str]:
+        """Start with the servers that answer their probe (:mod:`server_fleet`); returns
+        each server still waiting, with its last error."""
+        vision = self.vision is not None
+        self._fleet = ServerFleet(
+            self._client, _probe_token(self.tokenizer), vision, self.config.tokenizer
         )
-
-    async def _probe(self, server: Any, token_id: int, deadline: float) -> None:
-        config, last = self.config, "no answer"
-        while True:
-            try:
-                await self._client.start(server, vision=self.vision is not None)
-                reply = await self._client.probe(server, token_id)
-                break
-            except RetryableFailure as exc:  # still starting: refused, 503 while loading
-                last = str(exc)
-            except GenerationFailed as exc:
-                raise RuntimeError(f"The probe request failed: {exc}") from None
-            except MalformedReply as exc:
-                raise RuntimeError(
-                    f"{server.url} ({config.dialect!r} dialect) answered the probe request "
-                    f"without usable token ids: {exc}. Token-in/token-out needs them; check "
-                    "that the server speaks that dialect (policy.dialect) and is recent enough."
-                ) from None
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{server.url} did not answer a {config.dialect} probe request within "
-                    f"startup_timeout_s={config.startup_timeout_s:g} s (last: {last}); start "
-                    "the server or fix base_urls."
-                )
-            await asyncio.sleep(0.25)
-        too_big = [t for t in reply.tokens if t >= self.vocab_size]
-        if too_big:
-            raise RuntimeError(
-                f"{server.url} generated token id {too_big[0]}, outside the tokenizer "
-                f"{config.tokenizer!r} ({self.vocab_size} tokens): set tokenizer to the "
-                "served model's."
-            )
+        return await self._fleet.start(self.config.startup_timeout_s)
 
 
 def _pad_id(tokenizer: Any) -> int:

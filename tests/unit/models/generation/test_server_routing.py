@@ -39,9 +39,13 @@ def url_of(router: ServerRouter, key=None, *, release: bool = True) -> str:
 
 
 def fail(router: ServerRouter, url: str, times: int = 1) -> None:
-    """``times`` consecutive failed requests to ``url``."""
+    """``times`` consecutive failed requests to ``url``, each sent once the set-aside of the
+    one before has passed (the fake clock moves there)."""
     server = next(s for s in router.servers if s.url == url)
+    clock = router.clock
+    assert isinstance(clock, FakeClock)
     for _ in range(times):
+        clock.now[0] = max(clock.now[0], server.down_until)
         server.outstanding += 1  # as if acquired
         router.release(server, ok=False)
 
@@ -107,11 +111,25 @@ def test_thousands_of_consecutive_failures_keep_the_capped_set_aside():
     assert server.down_until - clock() == MAX_SET_ASIDE_S
 
 
+def test_requests_failing_while_their_server_is_set_aside_count_as_one_failure():
+    # a server killed with many requests open: they all fail within moments
+    router, clock = make_router(["http://a"], base=0.5)
+    server = slot(router, "http://a")
+    held = [router.acquire() for _ in range(3)]
+    for request in held:
+        router.release(request, ok=False)
+        clock.advance(0.1)
+    assert (server.failures, server.down_until, server.outstanding) == (1, 0.5, 0)
+    clock.advance(0.2)  # past the set-aside: the next failure doubles it
+    fail(router, "http://a")
+    assert (server.failures, server.down_until) == (2, 1.5)
+
+
 def test_an_answered_request_resets_the_set_aside():
     router, clock = make_router(base=0.5)
     server = slot(router, "http://a")
-    fail(router, "http://a", times=3)
-    assert (server.failures, server.down_until) == (3, 2.0)
+    fail(router, "http://a", times=3)  # at 0, 0.5 and 1.5
+    assert (server.failures, server.down_until) == (3, 3.5)
     server.outstanding += 1
     router.release(server, ok=True)
     assert (server.failures, server.down_until) == (0, 0.0)
@@ -121,9 +139,9 @@ def test_an_answered_request_resets_the_set_aside():
 
 def test_when_every_server_is_down_the_one_back_soonest_is_used():
     router, _ = make_router(base=0.5)
-    fail(router, "http://a", times=3)  # back at 2.0
-    fail(router, "http://b", times=1)  # back at 0.5
-    fail(router, "http://c", times=2)  # back at 1.0
+    fail(router, "http://a", times=3)  # at 0, 0.5 and 1.5: back at 3.5
+    fail(router, "http://b", times=1)  # at 1.5: back at 2.0
+    fail(router, "http://c", times=2)  # at 1.5 and 2.0: back at 3.0
     assert url_of(router) == "http://b"
     assert url_of(router, "sample-0") == "http://b"
 

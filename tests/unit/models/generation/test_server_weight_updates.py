@@ -254,6 +254,30 @@ def test_versions_go_0_1_then_explicit_and_label_the_tokens_generated_after(
             assert servers[0].requests == sglang_reload(1) + sglang_reload(5)
 
 
+def test_a_server_joining_after_an_update_reloads_that_checkpoint_first(tiny_policy_dir):
+    with serving("sglang", {}, {}) as (up, late):
+        late.hold()  # its probe request gets no answer: it starts outside the routing
+        config = {"base_urls": [up.url, late.url], "dialect": "sglang", "max_new_tokens": 8,
+                  "tokenizer": str(tiny_policy_dir), "startup_timeout_s": 0.5}  # fmt: skip
+        with pytest.warns(UserWarning, match=f"{late.url} \\(no answer within 0.5 s\\)"):
+            policy = ServerGeneration(config)
+        try:
+            assert policy.request_stats()["joined"] == [up.url]
+            assert policy.update_weights(CHECKPOINT) == 1
+            assert (up.requests, late.requests) == (sglang_reload(1), [])
+            late.release()
+            deadline = time.monotonic() + 30
+            while late.url not in policy.request_stats()["joined"]:
+                assert time.monotonic() < deadline, "the late server joined within 30 s"
+                time.sleep(0.05)
+            assert late.requests == sglang_reload(1)  # before it took any request
+            out = policy.generate(batch())  # one row on each server
+            assert torch.equal(out["policy_versions"], expected_versions(1))
+            assert policy.request_stats()["answered"] == {up.url: 1, late.url: 1}
+        finally:
+            policy.shutdown()
+
+
 FAILURES = {
     "vllm": (
         {"/collective_rpc": lambda body: (500, "Internal Server Error")},
