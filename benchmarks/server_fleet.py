@@ -1,0 +1,226 @@
+"""``ServerGeneration`` over a fleet of servers under many requests in flight (issue 27,
+point 3): the client's CPU time per request at 1k / 4k / 16k in flight, and what a server
+killed and restarted under load costs.
+
+``client``: two stand-in llama.cpp servers (``_http_echo.py``, separate processes, each
+answering every ``POST /completion`` with a 16-token reply after a latency that keeps the
+requests open together: ``in_flight / 1000`` s) behind one ``ServerClient`` whose
+``max_concurrent_requests`` is the load; it sends ``in_flight`` requests at once, each
+parsed into tokens and log-probabilities as in a real run. "client CPU" is this process's
+CPU time (``time.process_time``) over the requests, and the cyclic garbage collector's share
+of it is measured apart (``gc.callbacks``); the process-wide GC settings are left as they
+are.
+
+``recovery``: two real llama-servers (the bundled policy as an f32 GGUF,
+``tests/fixtures/llama_server.py``: 4 slots, 1 thread each) behind one ``ServerGeneration``
+(``max_concurrent_requests`` = ``--requests``, 2 new tokens per request, 3 retries);
+``--requests`` rows go at once. Once both servers have answered 32 requests, the second
+is killed by process id (SIGKILL), and started again on its port 1 s later. Reported:
+whether every row ended (with its tokens, or a generation error after its retries), the
+retries, the client CPU per request, and the recovery time: from the restarted server
+answering ``/health`` to its first answered generation request (the rest of its
+set-aside), and from the kill to then.
+
+    .venv/bin/python benchmarks/server_fleet.py [all|client|recovery] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from _http_echo import echo_server, raise_open_files_limit
+
+from envloop.distributed.batched_data_dict import BatchedDataDict
+from envloop.models.bundled import resolve_model
+from envloop.models.generation.server_client import ServerClient
+from envloop.models.generation.server_dialects import GenerationRequest, Sampling, make_dialect
+from envloop.models.generation.server_generation import (
+    ServerGeneration,
+    ServerGenerationConfig,
+)
+from tests.fixtures.llama_server import LlamaServer, converted_gguf
+
+POLICY = "bundled:policy"
+REPLY_TOKENS = 16
+SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=None, greedy=False)
+PROMPT = list(range(100, 132))
+LOADS = [1024, 4096, 16384]
+
+
+def load_avg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+class GcTimer:
+    """CPU time this process spends in the cyclic garbage collector inside the block."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._start
+
+
+@dataclass
+class ClientRun:
+    in_flight: int
+    cpu_s: float
+    gc_s: float
+    wall_s: float
+    failed: int
+
+
+async def send_at_once(urls: list[str], in_flight: int) -> ClientRun:
+    config = ServerGenerationConfig(
+        base_urls=urls, dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight
+    )
+    client = ServerClient(config, make_dialect("llamacpp"), vocab_size=1 << 16)
+    await client.open()
+    calls = [
+        client.generate(GenerationRequest(PROMPT, REPLY_TOKENS, None, n), SAMPLING, key=n)
+        for n in range(in_flight)
+    ]
+    gc.collect()
+    with GcTimer() as collector:
+        cpu, wall = time.process_time(), time.perf_counter()
+        results = await asyncio.gather(*calls)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    await client.close()
+    failed = sum(r.error is not None or len(r.tokens) != REPLY_TOKENS for r in results)
+    return ClientRun(in_flight, cpu, collector.seconds, wall, failed)
+
+
+def client_section() -> list[str]:
+    lines = [
+        "Client CPU per request: one `ServerClient` over two stand-in llama.cpp servers "
+        f"(other processes), `in_flight` requests sent at once, {len(PROMPT)}-token prompt, "
+        f"{REPLY_TOKENS} tokens back, server latency in_flight / 1000 s.",
+        "",
+        "| in flight | client CPU µs/request | of which cyclic GC | without GC | wall s | failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for in_flight in LOADS:
+        latency = max(0.1, in_flight / 1000)
+        with echo_server(latency) as first, echo_server(latency) as second:
+            asyncio.run(send_at_once([first, second], 64))  # warm-up
+            run = asyncio.run(send_at_once([first, second], in_flight))
+        us = 1e6 / run.in_flight
+        lines.append(
+            f"| {in_flight:,} | {run.cpu_s * us:,.0f} | {run.gc_s * us:,.0f} "
+            f"| {(run.cpu_s - run.gc_s) * us:,.0f} | {run.wall_s:.1f} | {run.failed} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def recovery_section(requests: int) -> list[str]:
+    gguf = converted_gguf(Path(resolve_model(POLICY)))
+    first, second = LlamaServer(gguf).start(), LlamaServer(gguf).start()
+    backend = ServerGeneration(
+        {"base_urls": [first.url, second.url], "dialect": "llamacpp", "tokenizer": POLICY,
+         "max_new_tokens": 2, "max_concurrent_requests": requests, "max_retries": 3,
+         "retry_backoff_s": 0.2}
+    )  # fmt: skip
+    times: dict[str, float] = {}
+
+    def answered(url: str) -> int:
+        return int(backend.request_stats()["answered"][url])
+
+    def kill_and_restart() -> None:
+        while min(backend.request_stats()["answered"].values()) < 32:
+            time.sleep(0.05)
+        assert second.process is not None
+        os.kill(second.process.pid, signal.SIGKILL)
+        second.process.wait()
+        times["killed"] = time.perf_counter()
+        before = answered(second.url)
+        time.sleep(1.0)
+        second.start()
+        times["up"] = time.perf_counter()
+        while answered(second.url) == before and "done" not in times:
+            time.sleep(0.01)
+        times["serving"] = time.perf_counter()
+
+    try:
+        ids = backend.tokenizer("Count to ten:", add_special_tokens=False).input_ids
+        batch = BatchedDataDict(
+            input_ids=torch.tensor([ids] * requests),
+            input_lengths=torch.tensor([len(ids)] * requests),
+        )
+        chaos = threading.Thread(target=kill_and_restart)
+        chaos.start()
+        cpu, wall = time.process_time(), time.perf_counter()
+        out = backend.generate(batch)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        times["done"] = time.perf_counter()
+        chaos.join()
+        stats = backend.request_stats()
+    finally:
+        backend.shutdown()
+        first.stop()
+        second.stop()
+    errors = out["generation_error"]
+    ok = sum(e is None and n > 0 for e, n in zip(errors, out["generation_lengths"].tolist()))
+    failed = sum(e is not None for e in errors)
+    back = "serving" in times and times["serving"] < times["done"]
+    recovery = (
+        f"{times['serving'] - times['up']:.2f} s after it answered /health, "
+        f"{times['serving'] - times['killed']:.2f} s after the kill"
+        if back
+        else "not before the last row ended"
+    )
+    return [
+        f"Server killed under load: {requests:,} rows at once over two llama-servers, "
+        "the second killed by pid once both answered 32 requests and restarted 1 s later.",
+        "",
+        f"- rows: {len(errors):,}; with their tokens: {ok:,}; generation errors after "
+        f"their retries: {failed:,}; lost: {requests - ok - failed}",
+        f"- HTTP requests {stats['requests']:,}, retries {stats['retries']:,}, answered "
+        f"per server {list(stats['answered'].values())}",
+        f"- wall {wall:.1f} s; client CPU {cpu / requests * 1e6:,.0f} µs/request",
+        f"- the restarted server answered its first request {recovery}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("section", nargs="?", default="all", choices=["all", "client", "recovery"])
+    parser.add_argument("--requests", type=int, default=16384, help="recovery: rows at once")
+    args = parser.parse_args()
+    raise_open_files_limit()
+    command = " ".join(["benchmarks/server_fleet.py", *sys.argv[1:]])
+    print(f"`.venv/bin/python {command}` ({os.cpu_count()} cores; load average before: "
+          f"{load_avg()})\n", flush=True)  # fmt: skip
+    if args.section in ("all", "client"):
+        print("\n".join(client_section()) + "\n", flush=True)
+    if args.section in ("all", "recovery"):
+        print("\n".join(recovery_section(args.requests)) + "\n", flush=True)
+    print(f"(load average after: {load_avg()})")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
