@@ -3,8 +3,10 @@
 A sample's images come from its prompt messages and from observations that hold images;
 each message carries its own as one-item ``PackedTensor`` values (see
 ``envloop.data.multimodal_utils``). The policy needs, per sample, all of them in message
-order, so they are kept concatenated per key and handed over as one ``PackedTensor``
-column per key, one item per active sample (None for a sample without images). The images
+order. They are kept as references to the messages' own tensors (a prompt's images,
+shared by every generation of a GRPO group, are never copied into each sample's state) and
+joined per key only when handed over: one ``PackedTensor`` column per key, one item per
+active sample (None for a sample without images), built for the policy call at hand. The images
 themselves go along too, as the ``images`` column (a list of RGB PIL images per sample, in
 message order; None for a sample without), for backends that send images rather than
 pixel values (inference servers).
@@ -21,10 +23,11 @@ from envloop.data.multimodal_utils import PackedTensor, content_images
 
 
 class SampleVision:
-    """Per sample, each vision input key's tensors so far, concatenated along dim 0."""
+    """Per sample, each vision input key's tensors so far, in message order (references to
+    the messages' tensors; joined along dim 0 by :meth:`columns`)."""
 
     def __init__(self, size: int) -> None:
-        self.inputs: list[dict[str, torch.Tensor]] = [{} for _ in range(size)]
+        self.inputs: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(size)]
         self.images: list[list[Any]] = [[] for _ in range(size)]
 
     def reset(self, sample: int, messages: Sequence[Mapping[str, Any]]) -> None:
@@ -38,7 +41,7 @@ class SampleVision:
         return any(self.inputs)
 
     def add(self, sample: int, message: Mapping[str, Any]) -> None:
-        """Append the ``PackedTensor`` values of ``message`` to ``sample``'s inputs, and
+        """Add the ``PackedTensor`` values of ``message`` to ``sample``'s inputs, and
         its images to the sample's images (a message without vision inputs adds none)."""
         own = self.inputs[sample]
         if any(isinstance(v, PackedTensor) for v in message.values()):
@@ -50,15 +53,23 @@ class SampleVision:
             tensor = value.as_tensor()
             if tensor is None:
                 continue
-            own[key] = tensor if key not in own else torch.cat([own[key], tensor])
+            own.setdefault(key, []).append(tensor)
 
     def columns(self, samples: Sequence[int]) -> dict[str, Any]:
-        """One ``PackedTensor`` per key any of ``samples`` has, one item per sample, and
-        the ``images`` column (none of either when no sample has images)."""
+        """One ``PackedTensor`` per key any of ``samples`` has, one item per sample (its
+        tensors joined along dim 0; a sample with one image message: that message's own
+        tensor), and the ``images`` column (none of either when no sample has images)."""
         keys = dict.fromkeys(k for i in samples for k in self.inputs[i])
         columns: dict[str, Any] = {
-            k: PackedTensor([self.inputs[i].get(k) for i in samples], 0) for k in keys
+            k: PackedTensor([_joined(self.inputs[i].get(k)) for i in samples], 0) for k in keys
         }
         if columns:
             columns["images"] = [self.images[i] or None for i in samples]
         return columns
+
+
+def _joined(tensors: list[torch.Tensor] | None) -> torch.Tensor | None:
+    """``tensors`` joined along dim 0 (the one tensor itself, uncopied, when alone)."""
+    if not tensors:
+        return None
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
