@@ -61,6 +61,7 @@ class ServerClient:
         self.version = 0
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
+        self._server_slots: dict[str, asyncio.Semaphore] = {}
         self._gate: AttemptGate | None = None
         self._reloading: asyncio.Lock | None = None
         self._last_reload: WeightReload | None = None
@@ -72,6 +73,10 @@ class ServerClient:
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self._slots = asyncio.Semaphore(limit)
+        per_server = self.config.max_requests_per_server
+        self._server_slots = {
+            server.url: asyncio.Semaphore(per_server or limit) for server in self.router.servers
+        }
         self._gate = AttemptGate()
         self._reloading = asyncio.Lock()
 
@@ -205,7 +210,7 @@ class ServerClient:
     async def _post(self, server: ServerSlot, path: str, body: dict[str, Any]) -> Any:
         assert self._session is not None and self._slots is not None
         url = server.url + path
-        async with self._slots:
+        async with self._server_slots[server.url], self._slots:
             try:
                 async with self._session.post(url, data=json.dumps(body), headers=_JSON) as reply:
                     text = await reply.text()

@@ -61,6 +61,12 @@ class ServerGenerationConfig(Config):
     lower it."""
     max_concurrent_requests: Annotated[int, Field(ge=1)] = 1024
     """Requests in flight at once, over all servers."""
+    max_requests_per_server: Annotated[int, Field(ge=1)] | None = None
+    """Requests sent to one server at once; the others wait in the client (their
+    ``request_timeout_s`` starts when they are sent). None: only
+    ``max_concurrent_requests`` bounds them. llama-server starts a thread per open
+    connection: give it a few times its ``--parallel`` slots (its throughput does not grow
+    past them), not thousands."""
     request_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Seconds one request may take before it counts as failed (and is retried)."""
     max_retries: Annotated[int, Field(ge=0)] = 5

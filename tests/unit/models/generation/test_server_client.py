@@ -365,3 +365,27 @@ def test_a_cancelled_request_is_no_longer_outstanding():
 
     client = asyncio.run(scenario())
     assert [s.outstanding for s in client.router.servers] == [0]
+
+
+def test_each_server_gets_at_most_max_requests_per_server_at_once():
+    per_server, rows = 3, 60
+
+    async def scenario() -> tuple[list[SampleResult], list[ScriptedServer]]:
+        async def briefly(body: dict[str, Any]) -> web.Response:
+            await asyncio.sleep(0.002)
+            return web.json_response(completion())
+
+        async with serving(briefly) as first, serving(briefly) as second:
+            client = make_client(first.url, second.url, max_requests_per_server=per_server)
+            await client.open()
+            try:
+                calls = [client.generate(REQUEST, SAMPLED) for _ in range(rows)]
+                results = await asyncio.gather(*calls)
+            finally:
+                await client.close()
+        return results, [first, second]
+
+    results, servers = asyncio.run(scenario())
+    assert results == [GENERATED] * rows
+    assert [len(s.bodies) for s in servers] == [rows // 2] * 2  # the rest waited in the client
+    assert max(s.peak for s in servers) <= per_server
