@@ -26,6 +26,7 @@ def test_config_defaults():
         "seed": 0,
         "max_new_tokens": 512,
         "max_concurrent_requests": 1024,
+        "max_requests_per_server": None,
         "request_timeout_s": 600.0,
         "max_retries": 5,
         "retry_backoff_s": 0.5,
