@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="roll out a policy against environments")
-    run.add_argument("config", help="YAML config (see the README's config reference)")
+    run.add_argument("config", help="YAML config (see docs/config-reference.md)")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. rollout.max_turns=4")
     run.add_argument("-q", "--quiet", action="store_true", help="log lines, no live progress bar")
     run.add_argument(

@@ -2,7 +2,7 @@
 
 A config declares each field once (see :mod:`envloop.config.validation`); ``envloop envs``
 lists an environment's fields with :func:`declared_fields`, environments take their
-defaults with :func:`declared_defaults`, and the README's config reference is
+defaults with :func:`declared_defaults`, and the config reference (docs/config-reference.md) is
 :func:`reference_rows` of the run config.
 """
 

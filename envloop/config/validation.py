@@ -23,7 +23,7 @@ Either way, a bad config raises one :class:`~envloop.config.errors.ConfigError` 
 every problem with its dotted key, in envloop's wording (``size: must be >= 2, got 1``;
 ``sise: unknown option. Did you mean 'size'?``; see :mod:`envloop.config.problems`).
 :mod:`envloop.config.declarations` reads the declarations back (``envloop envs`` and the
-README's config reference show them).
+config reference, docs/config-reference.md, show them).
 """
 
 from __future__ import annotations
