@@ -159,7 +159,8 @@ def config_reference_rows() -> Iterator[tuple[str, str, str, str]]:
 
 
 def config_reference_table() -> str:
-    """The config reference as a Markdown table (docs/config-reference.md's copy is checked against it)."""
+    """The config reference as a Markdown table (docs/config-reference.md holds a copy,
+    checked against it)."""
     rows = (
         (f"`{key}`", type_, f"`{default}`" if default else "", description)
         for key, type_, default, description in config_reference_rows()
