@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -33,38 +34,58 @@ def init_ray(
 PLACEMENTS = ("default", "spread", "resource:<name>")
 """The placements of actors envloop starts (see :func:`placement_options`)."""
 
+_spread_turns = itertools.count()
+
+
+def check_placement(placement: str) -> str:
+    """``placement`` if it is one of :data:`PLACEMENTS`, else a ValueError naming them.
+
+    >>> check_placement("resource:env_nodes")
+    'resource:env_nodes'
+    >>> check_placement("everywhere")
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown placement 'everywhere'; use one of default, spread, resource:<name>.
+    """
+    name = placement.removeprefix("resource:") if isinstance(placement, str) else ""
+    if placement in ("default", "spread") or (placement != name and name.strip()):
+        return placement
+    raise ValueError(f"Unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
+
 
 def placement_options(placement: str) -> dict[str, Any]:
     """Ray actor options that place an actor as ``placement`` says.
 
     - ``"default"``: none; Ray's ``DEFAULT`` scheduling strategy (the driver's node while
       it has free resources, then the least used nodes).
-    - ``"spread"``: ``scheduling_strategy="SPREAD"``: actors started one after another go
-      to different nodes, round robin over the nodes that fit them.
+    - ``"spread"``: a soft ``NodeAffinitySchedulingStrategy`` to the next alive node in
+      turn (nodes ordered by id, one turn per actor this process places): actors are
+      asked of one node after another. Soft: Ray places an actor elsewhere when its node
+      lacks the resources or has died, and (best effort, seen on a loaded machine) at
+      times when its view of the node lags.
     - ``"resource:<name>"``: ``resources={<name>: 0.001}``: only nodes that hold the custom
-      resource ``<name>`` (``ray start --resources='{"<name>": 1}'``), e.g. a node set aside
-      for environments; a thousandth of a unit, so any number of actors fit there.
+      resource ``<name>`` (``ray start --resources='{"<name>": 1}'``), e.g. nodes set
+      aside for environments; a thousandth of a unit, so any number of actors fit there.
 
-    An actor that Ray restarts (its node died) is placed again the same way, on the nodes
-    alive then.
+    An actor that Ray restarts (its node died) is placed again on the nodes alive then.
+    ``"spread"`` needs Ray running.
 
-    >>> placement_options("spread")
-    {'scheduling_strategy': 'SPREAD'}
+    >>> placement_options("default")
+    {}
     >>> placement_options("resource:env_nodes")
     {'resources': {'env_nodes': 0.001}}
-    >>> placement_options("everywhere")
-    Traceback (most recent call last):
-    ...
-    ValueError: Unknown placement 'everywhere'; use one of default, spread, resource:<name>.
     """
+    check_placement(placement)
     if placement == "default":
         return {}
     if placement == "spread":
-        return {"scheduling_strategy": "SPREAD"}
-    name = placement.removeprefix("resource:")
-    if placement.startswith("resource:") and name.strip():
-        return {"resources": {name: 0.001}}
-    raise ValueError(f"Unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)}.")
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
+        node_id = nodes[next(_spread_turns) % len(nodes)]
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
+    return {"resources": {placement.removeprefix("resource:"): 0.001}}
 
 
 def is_actor(obj: Any) -> bool:

@@ -172,7 +172,8 @@ class RolloutStream:
     def metrics(self) -> dict[str, Any]:
         """The rollout's metrics, as ``run_multi_turn_rollout`` reports them."""
         self._require_finished()
-        return rollout_metrics(self.state, ~self.state.done, self.timer)
+        metrics = rollout_metrics(self.state, ~self.state.done, self.timer)
+        return {**metrics, "total_env_step_retries": self._engine.dispatcher.retries}
 
     async def _samples(self) -> AsyncIterator[FinishedSample]:
         """Each finished sample with its row; the rows of samples that finished together

@@ -117,6 +117,7 @@ class EnvDispatcher:
         self._places: asyncio.Semaphore | None = None
         self._gate = StartGate(self.startup_timeout_s)
         self._not_started: dict[str, str] = {}  # task -> why its samples fail
+        self.retries = 0  # calls sent again after their actor died (a crash, a node lost)
 
     @classmethod
     def from_options(
@@ -197,6 +198,7 @@ class EnvDispatcher:
                 raise
             except Exception as exc:
                 if attempt < self.max_retries and isinstance(exc, RayActorError):
+                    self.retries += 1
                     await asyncio.to_thread(self._await_restart, task)
                     continue
                 error = self._failure(task, exc)

@@ -139,7 +139,8 @@ def run_multi_turn_rollout(
     finally:
         dispatcher.shutdown()
     max_turns_reached = ~state.done
-    return final_rows(input_batch, state), rollout_metrics(state, max_turns_reached, timer)
+    metrics = rollout_metrics(state, max_turns_reached, timer)
+    return final_rows(input_batch, state), {**metrics, "total_env_step_retries": dispatcher.retries}
 
 
 def run_async_multi_turn_rollout(

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from envloop.config.validation import Config, NonEmptyStr
-from envloop.distributed.ray_utils import placement_options
+from envloop.distributed.ray_utils import check_placement
 from envloop.experience.rollout_options import (
     ASYNC_ONLY_SETTINGS,
     AsyncRolloutSettings,
@@ -80,8 +80,8 @@ class EnvConfig(Config, title="environment"):
     """Stop strings of the first turn; later turns use the environment's."""
     placement: str = "default"
     """Nodes of a Ray cluster the actor may go to: ``default`` (Ray's DEFAULT strategy),
-    ``spread`` (SPREAD: one node after another) or ``resource:<name>`` (nodes holding that
-    custom resource)."""
+    ``spread`` (a soft node affinity to each node in turn) or ``resource:<name>`` (nodes
+    holding that custom resource)."""
     requires_ground_truth: bool | None = Field(
         None, description=f"Every row needs a ground truth; None: true for {_GROUND_TRUTH}."
     )
@@ -89,8 +89,7 @@ class EnvConfig(Config, title="environment"):
     @field_validator("placement")
     @classmethod
     def _known_placement(cls, placement: str) -> str:
-        placement_options(placement)  # ValueError naming the placements
-        return placement
+        return check_placement(placement)
 
     def needs_ground_truth(self) -> bool:
         """Whether this task's rows must carry a ground truth."""
