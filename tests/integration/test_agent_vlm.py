@@ -78,5 +78,6 @@ def test_images_are_recorded_with_their_vision_inputs_token_for_token(policy):
     assert segment.token_ids[: len(prompt) + len(sampled)] == prompt + sampled
     vision = SampleVision(1)
     vision.reset(0, log)
-    assert vision.inputs[0]["image_grid_thw"].shape[0] == 2  # both images' inputs are kept
+    [grids] = vision.columns([0])["image_grid_thw"].tensors
+    assert grids.shape[0] == 2  # both images' inputs are kept
     assert [image.size for image in vision.images[0]] == [(90, 60), (56, 28)]
