@@ -73,7 +73,7 @@ def test_minimal_config_gets_every_default(config_file):
     }  # fmt: skip
     assert resolved["envs"] == {
         "math": {"name": "math", "config": None, "num_cpus": None, "stop_strings": None,
-                 "requires_ground_truth": None},
+                 "requires_ground_truth": None, "placement": "default"},
     }  # fmt: skip
     # The data path is not in the current directory, so it is taken from the config's folder.
     assert config.data.path == str(config_file.parent / "prompts.jsonl")
