@@ -9,6 +9,7 @@ workers can import it too (see :func:`start_ray`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
 from pathlib import Path
@@ -127,3 +128,23 @@ class StreamingResponsePolicy(FixedResponsePolicy):
             row = output.slice(j, j + 1)
             self.seconds += time.perf_counter() - start
             yield j, row
+
+
+class GcTimer:
+    """CPU time this process spends in the cyclic garbage collector inside the block."""
+
+    def __init__(self) -> None:
+        self.seconds, self._start = 0.0, 0.0
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._start

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from _http_echo import echo_server, raise_open_files_limit
+from _workloads import GcTimer, load_avg
 from transformers import AutoTokenizer
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
@@ -68,10 +69,6 @@ MAX_NEW_TOKENS = 48
 REPLY_TOKENS = 16  # what the stand-in server sends back
 SAMPLING = Sampling(temperature=1.0, top_p=1.0, top_k=None, greedy=False)
 SERVER = "ServerGeneration (llama-server)"
-
-
-def load_avg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def demo_prompts(tokenizer: Any) -> list[list[int]]:
@@ -102,26 +99,6 @@ class ClientRun:
 
     def us_per_request(self, seconds: float) -> float:
         return seconds / self.requests * 1e6
-
-
-class GcTimer:
-    """CPU time this process spends in the cyclic garbage collector inside the block."""
-
-    def __init__(self) -> None:
-        self.seconds, self._start = 0.0, 0.0
-
-    def __enter__(self) -> GcTimer:
-        gc.callbacks.append(self._on_collection)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._on_collection)
-
-    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.process_time()
-        else:
-            self.seconds += time.process_time() - self._start
 
 
 def echo_latency_s(in_flight: int) -> float:

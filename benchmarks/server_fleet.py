@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from _http_echo import echo_server, raise_open_files_limit
+from _workloads import GcTimer, load_avg
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.bundled import resolve_model
@@ -62,30 +63,6 @@ LOADS = [1024, 4096, 16384]
 PER_SERVER = 64
 """``max_requests_per_server`` of the recovery run: llama-server starts a thread per open
 connection, and with 8,192 open each it answered nothing in 5 minutes on this machine."""
-
-
-def load_avg() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-class GcTimer:
-    """CPU time this process spends in the cyclic garbage collector inside the block."""
-
-    def __init__(self) -> None:
-        self.seconds, self._start = 0.0, 0.0
-
-    def __enter__(self) -> GcTimer:
-        gc.callbacks.append(self._on_collection)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._on_collection)
-
-    def _on_collection(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._start = time.process_time()
-        else:
-            self.seconds += time.process_time() - self._start
 
 
 @dataclass
