@@ -107,7 +107,8 @@ class RolloutStream:
     afterwards :meth:`final_batch` and :meth:`metrics` give what
     ``run_multi_turn_rollout`` returns. Arguments and options are those of
     ``run_async_multi_turn_rollout`` (any other keyword fails with a ``ConfigError`` that
-    names the closest option).
+    names the closest option). :meth:`stop_admitting` ends it early: the samples already
+    started finish and are yielded, the others never start.
     """
 
     def __init__(
@@ -143,6 +144,7 @@ class RolloutStream:
         )  # fmt: skip
         self._started = False
         self._ran = False
+        self._admitting = True
 
     def __aiter__(self) -> AsyncIterator[FinishedSample]:
         return self._samples()
@@ -163,6 +165,15 @@ class RolloutStream:
                 if left[group] == 0:
                     indices = list(range(group * group_size, (group + 1) * group_size))
                     yield FinishedGroup.of(indices, self._rows(indices))
+
+    def stop_admitting(self) -> None:
+        """Start no more samples: those already started run to their end and are yielded
+        (by :meth:`groups`: the groups whose every member started), then the stream ends
+        (at once when none has started). Safe to call from a signal
+        handler on the event loop's thread (it only sets a flag). A stream that so ended
+        before every sample ran has no :meth:`final_batch` or :meth:`metrics` (they
+        raise); its samples are the ones it yielded."""
+        self._admitting = False
 
     def final_batch(self) -> BatchedDataDict[Any]:
         """Every sample's final row, in input order (once the stream has run)."""
@@ -194,7 +205,7 @@ class RolloutStream:
         limit = self.options.max_concurrent_samples or self.state.size
 
         def admit() -> None:
-            while waiting and self._engine.in_flight < limit:
+            while self._admitting and waiting and self._engine.in_flight < limit:
                 self._engine.begin(waiting.popleft())
 
         def on_finished(index: int) -> None:
@@ -205,7 +216,7 @@ class RolloutStream:
         admit()
         left = self.state.size
         try:
-            while left:
+            while left and (self._admitting or self._engine.in_flight or not finished.empty()):
                 items = [await finished.get()]
                 while not finished.empty():
                     items.append(finished.get_nowait())
@@ -220,12 +231,17 @@ class RolloutStream:
                 yield indices
         finally:
             await self._engine.close()
-        self._ran = True
+        self._ran = not left
 
     def _rows(self, indices: list[int]) -> BatchedDataDict[Any]:
         return final_rows(self.input_batch, self.state, indices)
 
     def _require_finished(self) -> None:
+        if not self._ran and not self._admitting:
+            raise RuntimeError(
+                "the stream stopped admitting samples (stop_admitting) before every sample "
+                "ran: its results are the samples it yielded"
+            )
         if not self._ran:
             raise RuntimeError("the stream has not run to its end yet; iterate over it first")
 

@@ -334,6 +334,45 @@ def test_samples_and_groups_stream_in_completion_order(tiny_tokenizer):
         asyncio.run(collect(stream, groups=False))
 
 
+def test_a_stream_that_stops_admitting_finishes_the_started_samples_only(tiny_tokenizer):
+    # One sample at a time: 0 needs one guess, 1 six; 0's end starts 1, then the stop.
+    samples = [guess_sample(50), guess_sample(99)] + [guess_sample(50)] * 4
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    batch = make_batch(tiny_tokenizer, samples)
+    whole = RolloutStream(policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512)
+    asyncio.run(collect_samples(whole))
+
+    async def stop_after_first(stream):
+        yielded = []
+        async for sample in stream:
+            yielded.append(sample)
+            stream.stop_admitting()
+        return yielded
+
+    stream = RolloutStream(
+        policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, max_concurrent_samples=1
+    )
+    yielded = asyncio.run(stop_after_first(stream))
+    assert [s.index for s in yielded] == [0, 1]  # 1 was in flight: it finished
+    for sample in yielded:  # as in the whole run
+        [log] = sample.batch["message_log"]
+        assert [m["content"] for m in log] == [
+            m["content"] for m in whole.final_batch()["message_log"][sample.index]
+        ]
+        assert sample.batch["total_reward"].tolist() == [1.0]
+    assert stream.state.turns.tolist() == [1, 6, 0, 0, 0, 0]  # 2-5 never started
+    with pytest.raises(RuntimeError, match="stopped admitting samples"):
+        stream.metrics()
+
+    stopped_first = RolloutStream(policy, batch, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512)
+    stopped_first.stop_admitting()
+    assert asyncio.run(collect_samples(stopped_first)) == []
+
+
+async def collect_samples(stream):
+    return [sample async for sample in stream]
+
+
 def test_bounded_concurrency_gives_the_same_rollouts(tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, SCRIPTED_MIX)
     policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
