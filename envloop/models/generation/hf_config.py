@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from envloop.config.validation import Config, NonEmptyStr
+from envloop.distributed.ray_utils import check_placement
 from envloop.models.generation.threads import DEFAULT_CPU_THREADS
 from envloop.models.tokenizers import ChatTemplate, ChatTemplateKwargs
 
@@ -61,12 +62,30 @@ class HfGenerationConfig(Config):
     """CPUs Ray reserves for each worker actor (``num_workers`` > 1 only)."""
     worker_num_gpus: Annotated[float, Field(ge=0)] = 0.0
     """GPUs Ray reserves for each worker actor; must be > 0 for cuda workers."""
+    worker_placement: str = "default"
+    """Nodes of a Ray cluster the worker actors go to (``num_workers`` > 1 only), as
+    ``envs.<task>.placement`` says: ``default`` (Ray's DEFAULT strategy), ``spread`` (a soft
+    node affinity to each node in turn) or ``resource:<name>`` (nodes holding that custom
+    resource). A worker replacing a lost one is placed the same way."""
+    worker_max_retries: Annotated[int, Field(ge=0)] = 2
+    """Times a row is generated again after its worker actor was lost (its node died, its
+    process was killed); a row whose worker is lost once more comes back with no tokens
+    and the failure in ``generation_error``."""
+    worker_startup_timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    """Longest wait for a worker actor to be placed, load its model (and a replacement the
+    current weights) and serve; workers not serving by then fail the start (or count as
+    lost once more)."""
     kv_cache_on_update: Literal["keep", "recompute"] = "keep"
     """After ``update_weights``, a running row's KV cache and next-token logits: ``keep`` the
     old weights', or ``recompute`` them by prefilling its sequence so far with the new ones."""
     cpu_threads: Annotated[int, Field(ge=1)] | None = DEFAULT_CPU_THREADS
     """torch threads of each process that generates on CPU (process-wide); None: one per
     core, slower when other processes share the cores. Ignored on cuda."""
+
+    @field_validator("worker_placement")
+    @classmethod
+    def _known_placement(cls, placement: str) -> str:
+        return check_placement(placement)
 
     @model_validator(mode="after")
     def _tokenizer_defaults_to_model(self) -> HfGenerationConfig:

@@ -71,7 +71,8 @@ class HfGeneration(GenerationInterface):
         pad_id: the id that pads outputs (``output_ids`` past each row's end).
         engine: what generates: an :class:`HfEngine` (the model in this process), or with
             ``num_workers > 1`` an :class:`HfWorkerPool` (Ray actors, each hosting an
-            ``HfEngine``).
+            ``HfEngine``, placed by ``config.worker_placement``; a worker lost with its node
+            is replaced and its rows generated again: see :meth:`worker_nodes`).
         model: the loaded model; None when the work runs on Ray actors (a property of
             the engine).
         on_decode_step: None, or a function called after every decode step of in-process
@@ -112,6 +113,27 @@ class HfGeneration(GenerationInterface):
         """The version of the weights served now: 0 after construction, then what each
         :meth:`update_weights` set (in-process: once the decode loop applied them)."""
         return self.engine.policy_version
+
+    @property
+    def generation_retries(self) -> int:
+        """Rows generated again because the worker actor generating them was lost (its node
+        died), since construction; 0 in-process. See :meth:`worker_nodes`."""
+        return self.engine.generation_retries if isinstance(self.engine, HfWorkerPool) else 0
+
+    def worker_nodes(self) -> list[str]:
+        """The Ray node id (hex) of each worker actor, in worker order; [] in-process.
+
+        Workers go where ``config.worker_placement`` says (``default``, ``spread`` or
+        ``resource:<name>``, as for environment actors). A worker lost with its node is
+        replaced by a new actor of the same rank and seed, placed the same way on the nodes
+        alive, serving the weights and policy version of the last :meth:`update_weights`;
+        the rows the lost worker had not returned are generated again there from their
+        prompts (:attr:`generation_retries` counts them; each row at most
+        ``config.worker_max_retries`` times, after which it comes back with no tokens and
+        its ``generation_error``). A regenerated row's tokens all carry the version served
+        when it was generated again: the lost worker's partial tokens are never returned.
+        """
+        return self.engine.worker_nodes() if isinstance(self.engine, HfWorkerPool) else []
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False

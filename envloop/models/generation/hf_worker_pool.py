@@ -9,6 +9,12 @@ the calls of many concurrent consumers are served at once and share that loop.
 
 New weights go to every worker in two phases (:meth:`HfWorkerPool.update_weights`): each
 worker checks and prepares them, and only when all have them does any apply them.
+
+A worker lost with its node (or its process) is replaced: a new actor of the same rank and
+seed, placed by ``worker_placement`` on the nodes alive, loads the model and the weights of
+the last update with their version, and the rows the lost one had not returned are
+generated again there from their prompts (at most ``worker_max_retries`` times each, then
+they come back with ``generation_error``), counted in :attr:`HfWorkerPool.generation_retries`.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from envloop.models.generation.generation_batches import (
     generation_columns,
 )
 from envloop.models.generation.hf_config import HfGenerationConfig
-from envloop.models.generation.hf_engine import HfEngine
 from envloop.models.generation.hf_weights import (
     WeightSpec,
     WeightsSource,
@@ -34,55 +39,58 @@ from envloop.models.generation.hf_weights import (
     state_dict_of,
     weights_error,
 )
+from envloop.models.generation.hf_worker_actors import (
+    lost_rows_output,
+    node_of,
+    start_worker,
+    wait_serving,
+    worker_lost,
+)
 from envloop.models.generation.interfaces import GenerationDatumSpec, GenerationOutputSpec
 from envloop.models.generation.policy_versions import next_policy_version
 
-WORKER_MAX_CONCURRENCY = 1024
-"""Calls a worker actor serves at once (each awaits its rows from the decode loop)."""
 OUTPUT_PAD_VALUES: dict[str, int | float] = {"logprobs": 0.0}
 """How the workers' outputs are padded when joined (``output_ids`` with the pad id)."""
 
 
 class HfWorkerPool:
-    """Worker actors (``workers``, each hosting an :class:`HfEngine`) and the rows each has
-    outstanding; ``pad_id`` pads the joined outputs.
+    """Worker actors (``workers``, each hosting an :class:`HfEngine`, started from
+    ``config``) and the rows each has outstanding; ``pad_id`` pads the joined outputs.
 
     Attributes:
         model: always None (each worker holds its own copy).
         on_decode_step: accepted and not called: worker actors do not report steps.
+        generation_retries: rows sent again to a worker that replaced a lost one, since
+            the pool started (a row sent again twice counts twice).
     """
 
-    def __init__(self, workers: list[Any], pad_id: int) -> None:
+    def __init__(self, config: HfGenerationConfig, workers: list[Any], pad_id: int) -> None:
+        self.config = config
         self.workers = workers
+        self.pad_id = pad_id
         self.pad_values = OUTPUT_PAD_VALUES | {"output_ids": pad_id}
         self.outstanding = [0] * len(workers)
         self.model: Any = None
         self.on_decode_step: Callable[[int], None] | None = None
+        self.generation_retries = 0
         self._spec: WeightSpec | None = None
         self._policy_version = 0
+        self._latest: tuple[Any, int] | None = None
+        """The last update's payload and version: what a replacement worker loads."""
         self._update_lock = threading.Lock()
+        """Held by an update and by a replacement: one never misses the other."""
 
     @classmethod
     def start(cls, config: HfGenerationConfig, pad_id: int) -> HfWorkerPool:
-        """``config.num_workers`` :class:`HfEngine` actors, seeded ``seed + rank``. Returns
-        once every actor has loaded its model, so a loading error surfaces here."""
-        import ray
-
-        remote: Any = ray.remote  # its stubs lack max_concurrency
-        actor_class: Any = remote(
-            num_cpus=config.worker_num_cpus,
-            num_gpus=config.worker_num_gpus,
-            max_concurrency=WORKER_MAX_CONCURRENCY,
-        )(HfEngine)
-        workers = [
-            actor_class.remote(
-                config.model_copy(update={"num_workers": 1, "seed": config.seed + rank})
-            )
-            for rank in range(config.num_workers)
-        ]
-        pool = cls(workers, pad_id)
+        """``config.num_workers`` :class:`HfEngine` actors, seeded ``seed + rank`` and placed
+        as ``config.worker_placement`` says. Returns once every actor has loaded its model,
+        so a loading error surfaces here (or a :class:`WorkerStartError` after
+        ``worker_startup_timeout_s``)."""
+        pool = cls(
+            config, [start_worker(config, rank) for rank in range(config.num_workers)], pad_id
+        )
         try:
-            pool.prepare_for_generation()
+            wait_serving(pool.workers, config)
         except Exception:
             pool.shutdown()
             raise
@@ -99,18 +107,72 @@ class HfWorkerPool:
 
         return all(ray.get([w.prepare_for_generation.remote() for w in self.workers]))
 
+    def worker_nodes(self) -> list[str]:
+        """The Ray node id (hex) each worker runs on, in worker order."""
+        import ray
+
+        return list(ray.get([w.__ray_call__.remote(node_of) for w in self.workers]))
+
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
     ) -> BatchedDataDict[GenerationOutputSpec]:
-        """Contiguous shards to the workers in parallel, concatenated back in input order."""
+        """Contiguous shards to the workers in parallel, concatenated back in input order;
+        a shard whose worker was lost is generated again by its replacement."""
         import ray
 
         check_generation_input(data, vocab_size=None)
         data = generation_columns(data)
-        shards = data.shard_by_batch_size(len(self.workers), allow_uneven_shards=True)
-        jobs = [(w, s) for w, s in zip(self.workers, shards) if s.size] or [(self.workers[0], data)]
-        outputs = ray.get([w.generate_awaiting.remote(shard, greedy) for w, shard in jobs])
-        return BatchedDataDict.from_batches(outputs, self.pad_values)
+        bounds, start = [], 0
+        for shard in data.shard_by_batch_size(len(self.workers), allow_uneven_shards=True):
+            bounds.append(list(range(start, start + shard.size)))
+            start += shard.size
+        jobs = {rank: rows for rank, rows in enumerate(bounds) if rows} or {0: []}
+        outputs: dict[int, BatchedDataDict[GenerationOutputSpec]] = {}
+        attempts = dict.fromkeys(jobs, 0)
+        sent = dict(self._send_shard(rank, jobs[rank], data, greedy) for rank in jobs)
+        while sent:
+            [ref], _ = ray.wait(list(sent), num_returns=1)
+            rank, worker = sent.pop(ref)
+            try:
+                outputs[rank] = ray.get(ref)
+                continue
+            except Exception as error:
+                if not worker_lost(error):
+                    for other in sent:
+                        ray.cancel(other)
+                    raise
+                failure = error
+            while attempts[rank] < self.config.worker_max_retries:
+                attempts[rank] += 1
+                try:
+                    worker = self._replace(rank, worker)
+                except Exception as error:
+                    if not worker_lost(error):
+                        raise
+                    failure = error
+                    continue
+                self.generation_retries += len(jobs[rank])
+                ref, to = self._send_shard(rank, jobs[rank], data, greedy)
+                sent[ref] = to
+                break
+            else:
+                outputs[rank] = lost_rows_output(
+                    data, jobs[rank], self.pad_id, _lost_message(rank, attempts[rank], failure)
+                )
+        joined = [outputs[rank] for rank in sorted(outputs)]
+        if any("generation_error" in output for output in joined):
+            for output in joined:
+                output.setdefault("generation_error", [None] * output.size)
+        return BatchedDataDict.from_batches(joined, self.pad_values)
+
+    def _send_shard(
+        self, rank: int, rows: list[int], data: BatchedDataDict[GenerationDatumSpec], greedy: bool
+    ) -> tuple[Any, tuple[int, Any]]:
+        """Worker ``rank``'s call generating ``rows`` of ``data`` (all of it for no rows):
+        its reference, and the rank and handle it went to."""
+        shard = data.select_indices(rows) if rows else data
+        worker = self.workers[rank]
+        return worker.generate_awaiting.remote(shard, greedy), (rank, worker)
 
     async def generate_async(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
@@ -146,28 +208,90 @@ class HfWorkerPool:
         greedy: bool,
         finished: asyncio.Queue[tuple[int, Any] | BaseException],
     ) -> None:
-        """Stream worker ``rank``'s rows into ``finished``, as ``(input row, output)``."""
-        import ray
-
-        left = len(rows)
+        """Stream worker ``rank``'s rows into ``finished``, as ``(input row, output)``; the
+        rows not returned when the worker is lost go to its replacement."""
+        left = list(rows)
+        worker = self.workers[rank]
+        failure: BaseException | None = None
         try:
-            stream = (
-                self.workers[rank]
-                .generate_async.options(num_returns="streaming")
-                .remote(data.select_indices(rows), greedy)
-            )
-            async for ref in stream:
-                shard_row, output = await ref
-                left -= 1
+            for attempt in range(self.config.worker_max_retries + 1):
+                try:
+                    if attempt:
+                        worker = await asyncio.to_thread(self._replace, rank, worker)
+                        self.generation_retries += len(left)
+                    await self._stream(rank, worker, left, data, greedy, finished)
+                    return
+                except Exception as error:
+                    if not worker_lost(error):
+                        finished.put_nowait(error)
+                        return
+                    failure = error
+            assert failure is not None
+            message = _lost_message(rank, self.config.worker_max_retries, failure)
+            output = lost_rows_output(data, left, self.pad_id, message)
+            for k, row in enumerate(list(left)):
+                left.remove(row)
                 self.outstanding[rank] -= 1
-                finished.put_nowait((rows[shard_row], output))
+                finished.put_nowait((row, output.slice(k, k + 1)))
         except asyncio.CancelledError:
-            ray.cancel(stream)
             raise
         except BaseException as error:
             finished.put_nowait(error)
         finally:
-            self.outstanding[rank] -= left
+            self.outstanding[rank] -= len(left)
+
+    async def _stream(
+        self,
+        rank: int,
+        worker: Any,
+        left: list[int],
+        data: BatchedDataDict[GenerationDatumSpec],
+        greedy: bool,
+        finished: asyncio.Queue[tuple[int, Any] | BaseException],
+    ) -> None:
+        """One call of ``worker`` generating the rows ``left`` (removed as each comes)."""
+        import ray
+
+        sent = list(left)
+        stream = (
+            worker.generate_async.options(num_returns="streaming")
+            .remote(data.select_indices(sent), greedy)
+        )  # fmt: skip
+        try:
+            async for ref in stream:
+                shard_row, output = await ref
+                left.remove(sent[shard_row])
+                self.outstanding[rank] -= 1
+                finished.put_nowait((sent[shard_row], output))
+        except asyncio.CancelledError:
+            ray.cancel(stream)
+            raise
+
+    def _replace(self, rank: int, lost: Any) -> Any:
+        """The worker at ``rank`` once ``lost`` (its handle seen failing) is replaced: a new
+        actor serving the last update's weights and version; another caller's replacement
+        if it came first."""
+        with self._update_lock:
+            return self._replace_locked(rank, lost)
+
+    def _replace_locked(self, rank: int, lost: Any) -> Any:
+        import ray
+
+        if self.workers[rank] is not lost:
+            return self.workers[rank]
+        ray.kill(lost)  # gone already, or unreachable: never two workers of one rank
+        worker = start_worker(self.config, rank)
+        try:
+            wait_serving([worker], self.config)
+            if self._latest is not None:
+                payload, version = self._latest
+                ray.get(worker.stage_weights.remote(payload, version))
+                ray.get(worker.commit_weights.remote(version))
+        except BaseException:
+            ray.kill(worker)
+            raise
+        self.workers[rank] = worker
+        return worker
 
     def iter_generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
@@ -189,6 +313,10 @@ class HfWorkerPool:
         error is raised, so no worker changes. Phase two: every worker applies its copy
         between two of its decode steps; only a worker whose decode loop itself breaks can
         fail there (its rows fail too), and the others keep the new weights.
+
+        The pool keeps this update (the reference, so one copy of a state dict stays in the
+        object store until the next update, or the path) for the workers that replace lost
+        ones; a worker lost during the update is replaced before it returns, with it.
         """
         with self._update_lock:
             new = next_policy_version(self._policy_version, version)
@@ -200,16 +328,36 @@ class HfWorkerPool:
         import ray
 
         payload = self._payload(weights)
+        lost: dict[int, Any] = {}
         errors = []
-        for staging in [w.stage_weights.remote(payload, version) for w in self.workers]:
+        staging = [w.stage_weights.remote(payload, version) for w in self.workers]
+        for rank, (worker, ref) in enumerate(zip(self.workers, staging)):
             try:
-                ray.get(staging)
+                ray.get(ref)
             except Exception as error:  # after every worker is done: none stages late
-                errors.append(error)
+                if worker_lost(error):
+                    lost[rank] = worker
+                else:
+                    errors.append(error)
         if errors:
-            ray.get([w.drop_staged_weights.remote() for w in self.workers])
+            live = [w for rank, w in enumerate(self.workers) if rank not in lost]
+            ray.get([w.drop_staged_weights.remote() for w in live])
             raise errors[0]
-        ray.get([w.commit_weights.remote(version) for w in self.workers])
+        commits = {
+            rank: w.commit_weights.remote(version)
+            for rank, w in enumerate(self.workers)
+            if rank not in lost
+        }
+        for rank, ref in commits.items():
+            try:
+                ray.get(ref)
+            except Exception as error:
+                if not worker_lost(error):
+                    raise
+                lost[rank] = self.workers[rank]
+        self._latest = (payload, version)
+        for rank, worker in lost.items():
+            self._replace_locked(rank, worker)
 
     def _payload(self, weights: WeightsSource) -> Any:
         """What the workers get: a folder's absolute path, or a reference to the state dict
@@ -240,3 +388,13 @@ class HfWorkerPool:
         for worker in self.workers:
             ray.kill(worker)
         self.workers = []
+
+
+def _lost_message(rank: int, retries: int, error: BaseException) -> str:
+    """The ``generation_error`` of rows whose worker was lost once more than allowed."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"HfGeneration worker {rank} was lost and its rows were generated again {retries} "
+        f"time(s) (worker_max_retries={retries}), and the last worker was lost too: "
+        f"{type(error).__name__}: {first}"
+    )
