@@ -42,7 +42,7 @@ from envloop.experience.rollout_options import (
     OnEnvError,
     options_from_arguments,
 )
-from envloop.experience.rollout_results import slot_rows
+from envloop.experience.rollout_results import grouped_slot_rows
 from envloop.experience.rollout_state import RolloutState, check_limits
 from envloop.models.generation.interfaces import GenerationInterface
 
@@ -178,6 +178,7 @@ class ExperienceStream:
         self._ready: deque[_Finished] = deque()
         self._retry: deque[_Group] = deque()
         self._admitted: list[_Group] = []  # given slots since the event loop's last turn
+        self._completed: list[_Group] = []  # last member ended since the loop's last turn
         self._running_groups = 0
         self._source_done = False
         self._started = self._closed = False
@@ -373,17 +374,39 @@ class ExperienceStream:
         group.left -= 1
         if group.left:
             return
-        self._running_groups -= 1
-        rows = slot_rows(group.rows.copy(), self.state, group.slots, own_components=True)
-        tokens = int(self.state.gen_tokens.numpy()[group.slots].sum())
-        finished = _Finished(group, FinishedGroup.of(self._member_indices(group), rows), tokens)
-        self._free.extend(group.slots)
-        if self._is_stale(finished):
-            self._regenerate(finished)
-        elif self.filter_groups and filter_informative_groups(rows, self.group_size).dropped_groups:
-            self._counters.groups_dropped_uninformative += 1
-        else:
-            self._ready.append(finished)
+        if not self._completed:
+            asyncio.get_running_loop().call_soon(self._finish_completed)
+        self._completed.append(group)
+
+    def _finish_completed(self) -> None:
+        """Take the rows of the groups whose last member ended since the event loop's last
+        turn, in one step, and free their slots (an event loop callback: errors go to the
+        consumer)."""
+        groups, self._completed = self._completed, []
+        if self._closed:
+            return
+        try:
+            inputs = [group.rows.copy() for group in groups]
+            slots = [group.slots for group in groups]
+            results = grouped_slot_rows(inputs, self.state, slots, own_components=True)
+            tokens = self.state.gen_tokens.numpy()
+        except Exception as exc:
+            self._fail(exc)
+            return
+        for group, rows in zip(groups, results):
+            self._running_groups -= 1
+            result = FinishedGroup.of(self._member_indices(group), rows)
+            finished = _Finished(group, result, int(tokens[group.slots].sum()))
+            self._free.extend(group.slots)
+            if self._is_stale(finished):
+                self._regenerate(finished)
+            elif (
+                self.filter_groups
+                and filter_informative_groups(rows, self.group_size).dropped_groups
+            ):
+                self._counters.groups_dropped_uninformative += 1
+            else:
+                self._ready.append(finished)
         self._notify()
 
     def _is_stale(self, finished: _Finished) -> bool:

@@ -3,6 +3,7 @@ outcome (what ``run_multi_turn_rollout`` and the async engine return)."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.rollout_state import RolloutState
 
-__all__ = ["final_rows", "slot_rows"]
+__all__ = ["final_rows", "grouped_slot_rows", "slot_rows"]
 
 
 def final_rows(
@@ -35,33 +36,64 @@ def slot_rows(
     component column for every component the rollout's samples reported (0 where a sample
     did not), or with ``own_components`` only for those these samples reported (slots
     reused for sample after sample: a column never depends on who held the slots before)."""
-    final = input_rows
-    rows = np.asarray(idx, dtype=np.int64)
+    return grouped_slot_rows([input_rows], state, [idx], own_components)[0]
 
-    def taken(column: torch.Tensor) -> torch.Tensor:
-        # Indexed through numpy: a copy of the rows in a µs or two, not a torch call's ten.
-        return torch.from_numpy(column.numpy()[rows])
 
-    failed = taken(state.failed) | taken(state.generation_failed)
-    given = final.get("loss_multiplier")
-    final["message_log"] = [state.message_logs[i] for i in idx]
-    final["extra_env_info"] = [state.metadata[i] for i in idx]
-    final["loss_multiplier"] = _loss_multiplier(given, failed)
-    final["total_reward"] = taken(state.total_reward)
-    final["truncated"] = taken(state.truncated)
-    final["terminated"] = taken(state.terminated)
-    final["num_turns"] = taken(state.turns)
-    final["turn_rewards"] = [state.turn_rewards[i] for i in idx]
-    final["env_error"] = [state.errors[i] for i in idx]
-    final["generation_error"] = [state.generation_errors[i] for i in idx]
-    reported = set().union(*(state.component_names[i] for i in idx)) if own_components else None
-    for name, totals in state.components.items():
-        if reported is None or name in reported:
-            final[name] = taken(totals)
-    final["reward_components"] = [sorted(state.component_names[i]) for i in idx]
-    final["min_policy_version"] = taken(state.min_version)
-    final["max_policy_version"] = taken(state.max_version)
-    return final
+def grouped_slot_rows(
+    inputs: list[BatchedDataDict[Any]],
+    state: RolloutState,
+    groups: list[list[int]],
+    own_components: bool = False,
+) -> list[BatchedDataDict[Any]]:
+    """:func:`slot_rows` of each group of slots (``groups[k]``, whose input rows are
+    ``inputs[k]``), the state's columns read once for all of them: the cost of finishing
+    many groups together is about that of one. With ``own_components``, each group's
+    component columns are those its own samples reported."""
+    flat = [i for group in groups for i in group]
+    rows = np.asarray(flat, dtype=np.int64)
+    bounds = list(itertools.accumulate((len(group) for group in groups), initial=0))
+    spans = list(itertools.pairwise(bounds))
+
+    def taken(column: torch.Tensor) -> list[torch.Tensor]:
+        # Indexed through numpy: a copy of the rows in a µs or two, not a torch call's ten;
+        # each group gets a view of its part of the copy.
+        values = column.numpy()[rows]
+        return [torch.from_numpy(values[a:b]) for a, b in spans]
+
+    def listed(column: list[Any]) -> list[list[Any]]:
+        return [[column[i] for i in group] for group in groups]
+
+    failed = taken(state.failed | state.generation_failed)
+    logs, metadata = listed(state.message_logs), listed(state.metadata)
+    columns: dict[str, list[Any]] = {
+        "total_reward": taken(state.total_reward),
+        "truncated": taken(state.truncated),
+        "terminated": taken(state.terminated),
+        "num_turns": taken(state.turns),
+        "turn_rewards": listed(state.turn_rewards),
+        "env_error": listed(state.errors),
+        "generation_error": listed(state.generation_errors),
+    }
+    components = {name: taken(totals) for name, totals in state.components.items()}
+    names = listed(state.component_names)
+    low, high = taken(state.min_version), taken(state.max_version)
+    out = []
+    for k, final in enumerate(inputs):
+        given = final.get("loss_multiplier")
+        final["message_log"] = logs[k]
+        final["extra_env_info"] = metadata[k]
+        final["loss_multiplier"] = _loss_multiplier(given, failed[k])
+        for key, values in columns.items():
+            final[key] = values[k]
+        reported = set().union(*names[k]) if own_components else None
+        for name, values in components.items():
+            if reported is None or name in reported:
+                final[name] = values[k]
+        final["reward_components"] = [sorted(sample_names) for sample_names in names[k]]
+        final["min_policy_version"] = low[k]
+        final["max_policy_version"] = high[k]
+        out.append(final)
+    return out
 
 
 def _loss_multiplier(given: Any, failed: torch.Tensor) -> Any:
