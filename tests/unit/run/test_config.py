@@ -57,7 +57,8 @@ def test_minimal_config_gets_every_default(config_file):
         "chat_template": "default", "chat_template_kwargs": None, "device": "cpu",
         "dtype": "float32", "temperature": 1.0, "top_p": 1.0, "top_k": None,
         "max_new_tokens": 512, "micro_batch_size": 32, "seed": 0, "num_workers": 1,
-        "worker_num_cpus": 1.0, "worker_num_gpus": 0.0, "cpu_threads": 1,
+        "worker_num_cpus": 1.0, "worker_num_gpus": 0.0, "worker_placement": "default",
+        "worker_max_retries": 2, "worker_startup_timeout_s": 600.0, "cpu_threads": 1,
         "kv_cache_on_update": "keep", "backend": "hf",
     }  # fmt: skip
     assert resolved["rollout"] == {
