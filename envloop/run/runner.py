@@ -62,6 +62,7 @@ from envloop.run.termination import (
     admitting_work,
     reclaim_sigterm,
     stop_requested,
+    stopping_calls,
 )
 
 Policy = HfGeneration | ServerGeneration
@@ -225,8 +226,8 @@ def _roll_out(
     of the input at a time (of a batch partly recorded, the rest), each recorded as it
     finishes (async) or with its batch (sync); then the rollout files and metrics from the
     journal. A signal (:func:`~envloop.run.termination.stop_requested`) stops admitting
-    batches: the rollout files are written from what finished and :class:`RunStopped`
-    raised."""
+    batches (and an async batch's samples): the rollout files are written from what
+    finished and :class:`RunStopped` raised."""
     rollout, run_dir = config.rollout, Path(config.output.dir)
     if batch.size != journal.total:
         raise RuntimeError(
@@ -245,6 +246,9 @@ def _roll_out(
                 continue
             part = batch.slice(start, end) if len(ids) == end - start else batch.select_indices(ids)
             records, metrics = _roll_out_batch(rollout, policy, part, envs, progress, ids, journal)
+            if metrics is None:  # an async batch a signal cut short
+                progress.update(records)
+                continue
             journal.add_batch(metrics, len(ids))
             progress.update(
                 records, metrics["total_generated_tokens"], metrics["timing/generation_s"]
@@ -277,12 +281,14 @@ def _roll_out_batch(
     progress: Progress,
     ids: list[int],
     journal: RunJournal,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """The sample records (in input order; sample ``ids``, one per row of ``part``) and
     rollout metrics of one batch, rolled out in ``rollout.mode`` and recorded in
     ``journal``: an async rollout hands each sample to the journal's writer thread
     (:class:`~envloop.run.journal.JournalWriter`) and reports it to ``progress`` as it
-    finishes, a sync one records the batch when it ends."""
+    finishes, a sync one records the batch when it ends. A signal stops an async batch's
+    stream from admitting samples (``RolloutStream.stop_admitting``): the records are then
+    those of the samples that finished, and the metrics None."""
     args = (policy, part, engine_tokenizer(policy), envs, rollout.max_seq_len, rollout.max_turns)
     options = {"greedy": rollout.greedy, "on_turn": progress.on_turn, **rollout.engine_options()}
     if rollout.mode == "async":
@@ -294,10 +300,11 @@ def _roll_out_batch(
             progress.on_sample(record)
 
         try:
-            records = asyncio.run(_streamed_records(stream, ids, finished))
+            with stopping_calls(stream.stop_admitting):
+                records = asyncio.run(_streamed_records(stream, ids, finished))
         finally:
             writer.flush()
-        return records, stream.metrics()
+        return records, stream.metrics() if len(records) == len(ids) else None
     final, metrics = run_multi_turn_rollout(*args, **options)
     records = sample_records(final, ids=ids)
     journal.add(*records)

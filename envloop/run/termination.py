@@ -5,11 +5,13 @@ Within :func:`signals_stop_the_run` (the command line's run), SIGINT (Ctrl-C) an
 - while the run starts up (prompts, Ray, environments, policy): raise an exception in the
   main thread (:class:`RunTerminated` for SIGTERM, ``KeyboardInterrupt`` for SIGINT), so
   the run unwinds as any error does;
-- once it rolls out (inside :func:`admitting_work`): the first signal stops admitting work.
-  The rollout call in flight (a sync batch; an async batch's stream) runs to its end, its
-  samples are recorded, the rollout files are written from the finished samples, and the
-  run raises :class:`RunStopped`; the command prints the command that resumes and exits
-  128 + the signal's number (130 for SIGINT, 143 for SIGTERM);
+- once it rolls out (inside :func:`admitting_work`): the first signal stops admitting work:
+  no batch starts, and an async batch's stream starts no more samples (the callback of
+  :func:`stopping_calls`, ``RolloutStream.stop_admitting``). The work in flight (a sync
+  batch; an async batch's started samples) runs to its end, its samples are recorded, the
+  rollout files are written from the finished samples, and the run raises
+  :class:`RunStopped`; the command prints the command that resumes and exits 128 + the
+  signal's number (130 for SIGINT, 143 for SIGTERM);
 - a second signal, of either kind, ends the process at once (``os._exit``, status 128 + its
   number) after printing the command that resumes: every finished sample is already on
   disk (:mod:`envloop.run.journal`), so this loses only the samples in flight, as a kill
@@ -26,9 +28,10 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from types import FrameType
+from typing import ClassVar
 
 __all__ = [
     "RunStopped",
@@ -37,6 +40,7 @@ __all__ = [
     "reclaim_sigterm",
     "signals_stop_the_run",
     "stop_requested",
+    "stopping_calls",
 ]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -47,6 +51,7 @@ class _State:
     draining = False  # inside admitting_work: a first signal stops admitting work
     requested: int | None = None  # the signal that asked the run to stop
     resume_command: str | None = None
+    on_stop: ClassVar[list[Callable[[], None]]] = []  # called when a signal asks to stop
 
 
 class RunTerminated(KeyboardInterrupt):
@@ -82,6 +87,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
             f"stopping ({again} again stops at once; the samples in flight then rerun on "
             "--resume)\n"
         )
+        for callback in list(_State.on_stop):
+            callback()
         return
     _say(f"\nenvloop run: {_label(signum)} again: stopped at once\n{_resume_line()}")
     os._exit(128 + signum)
@@ -133,6 +140,20 @@ def admitting_work() -> Iterator[None]:
         yield
     finally:
         _State.draining = False
+
+
+@contextmanager
+def stopping_calls(callback: Callable[[], None]) -> Iterator[None]:
+    """Within the block, a signal that asks the run to stop also calls ``callback`` (from
+    the signal handler, on the main thread: it must only set a flag, as
+    ``RolloutStream.stop_admitting`` does); called at once when a stop was asked before."""
+    _State.on_stop.append(callback)
+    try:
+        if _State.requested is not None:
+            callback()
+        yield
+    finally:
+        _State.on_stop.remove(callback)
 
 
 def stop_requested() -> int | None:

@@ -1,8 +1,10 @@
 """``envloop run`` stopped by SIGTERM or Ctrl-C (SIGINT) mid-run: it stops admitting work,
 lets the batch in flight finish, writes the rollout files of what finished, prints the
 command that resumes and exits 143 / 130, with no traceback; a second Ctrl-C stops it at
-once, still resumable. The runs hold a batch on a gate file (:mod:`tests.fixtures.gated_envs`)
-so each signal lands at a known point; they join the suite's Ray session."""
+once, still resumable. In ``rollout.mode: async`` a signal stops the batch's stream from
+admitting samples: the samples started finish, the others are left to ``--resume``. The runs
+hold samples on a gate file (:mod:`tests.fixtures.gated_envs`) so each signal lands at a
+known point; they join the suite's Ray session."""
 
 from __future__ import annotations
 
@@ -96,3 +98,41 @@ def test_a_second_ctrl_c_stops_at_once_and_the_run_resumes(
     status, out, err = run_here(config, "--quiet", "--resume")
     assert status == 0, out + err
     assert [r["sample"] for r in read_rollouts(tmp_path / "run")] == list(range(12))
+
+
+def test_a_signal_stops_an_async_batch_admitting_samples_and_the_rest_resume(
+    ray_session, tmp_path, untied_policy_dir
+):
+    # One async batch of 12, four samples at a time; 1-4 wait on the gate. Sample 0 ends
+    # first and 4 takes its place, so when 0 is recorded, 1-4 are in flight and 5-11 wait.
+    config = text_run_config(tmp_path, untied_policy_dir, "async", 12, hold={1, 2, 3, 4})
+    (tmp_path / "gate").touch()
+    address = ray_session.get_runtime_context().gcs_address
+    limit = "rollout.max_concurrent_samples=4"
+    process = start_run(config, address, limit, "-q", stderr=tmp_path / "stderr")
+    try:
+        wait_for_samples(tmp_path / "run", 1, process)
+        process.send_signal(signal.SIGTERM)
+        wait_for_line(tmp_path / "stderr", "finishing the samples in flight", process)
+        (tmp_path / "gate").unlink()  # the samples in flight may end now
+        process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = (tmp_path / "stderr").read_text()
+    assert process.returncode == 143, stderr
+    lines = stderr.splitlines()
+    assert any(x.startswith("envloop run: stopped by SIGTERM: 5 of 12 samples") for x in lines)
+    assert f"envloop run: resume with: envloop run {config} {limit} --quiet --resume" in lines
+    assert "Traceback" not in stderr
+    assert sorted(ledger(tmp_path / "run")) == [0, 1, 2, 3, 4]  # 5-11 never started
+    assert [r["sample"] for r in read_rollouts(tmp_path / "run")] == [0, 1, 2, 3, 4]
+    first = {r["sample"]: r for r in read_rollouts(tmp_path / "run")}
+
+    status, out, err = run_here(config, limit, "--quiet", "--resume")
+    assert status == 0, out + err
+    assert "resuming" in out and "5 of 12 samples finished earlier (kept), 7 to roll out" in out
+    rows = read_rollouts(tmp_path / "run")
+    assert [r["sample"] for r in rows] == list(range(12))  # none missing, none twice
+    assert all(r["num_turns"] == 2 and r["error"] is None for r in rows)
+    assert [rows[i] for i in first] == list(first.values())  # the kept rows, unchanged
