@@ -45,6 +45,10 @@ class CountdownEnv(EnvironmentInterface):
     def __init__(self, turns: int = 4) -> None:
         self.turns = turns
 
+    def process_seconds(self) -> float:
+        """CPU time of the process this environment runs in (its Ray actor's, as an actor)."""
+        return time.process_time()
+
     def step(self, message_log_batch, metadata, *args, **kwargs) -> EnvironmentReturn:
         done_turns = [md["turn"] + 1 for md in metadata]
         return EnvironmentReturn(
@@ -64,15 +68,15 @@ class CountdownEnv(EnvironmentInterface):
 
 class FixedResponsePolicy(GenerationInterface):
     """Appends the same response tokens to every prompt (vectorized: costs ~nothing);
-    ``seconds`` adds up the time spent in ``generate``."""
+    ``seconds`` adds up the time spent in ``generate``, ``cpu_seconds`` its CPU time."""
 
     def __init__(self, tokenizer: Any, text: str = RESPONSE) -> None:
         self.response = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
         self.pad_id = tokenizer.pad_token_id
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0
 
     def generate(self, data, greedy=False):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         ids, lengths = data["input_ids"], data["input_lengths"]
         n, b = len(self.response), len(lengths)
         out = torch.full((b, ids.shape[1] + n), self.pad_id, dtype=torch.long)
@@ -83,6 +87,7 @@ class FixedResponsePolicy(GenerationInterface):
         logprobs.scatter_(1, cols, -0.5)
         gen = torch.full((b,), n, dtype=torch.long)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu_start
         return BatchedDataDict(
             output_ids=out, logprobs=logprobs, generation_lengths=gen,
             unpadded_sequence_lengths=lengths + gen,
@@ -115,18 +120,20 @@ class StreamingResponsePolicy(FixedResponsePolicy):
 
     def generate(self, data, greedy=False):
         output = super().generate(data, greedy)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         output["policy_versions"] = torch.zeros(output["output_ids"].shape, dtype=torch.int32)
         self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu_start
         return output
 
     async def generate_async(self, data, greedy=False):
         output = self.generate(data, greedy)
         for j in range(len(output["generation_lengths"])):
             await asyncio.sleep(0)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             row = output.slice(j, j + 1)
             self.seconds += time.perf_counter() - start
+            self.cpu_seconds += time.thread_time() - cpu_start
             yield j, row
 
 

@@ -148,15 +148,21 @@ def overhead_run(
 ) -> dict:
     """One zero-cost rollout: µs per sample-turn of overhead in total and per phase (with
     ``policy_class``, default :class:`FixedResponsePolicy`)."""
+    import ray
+
     policy = (policy_class or FixedResponsePolicy)(tokenizer)
     batch = make_batch(tokenizer, args.samples)
-    start = time.perf_counter()
+    env_cpu = ray.get(env.process_seconds.remote())
+    cpu, start = time.process_time(), time.perf_counter()
     _, metrics = run_engine(engine, policy, batch, tokenizer, {"countdown": env}, 512)
     overhead = time.perf_counter() - start - policy.seconds
+    cpu = time.process_time() - cpu - policy.cpu_seconds
+    cpu += ray.get(env.process_seconds.remote()) - env_cpu
     sample_turns = args.samples * args.turns
     if metrics["total_turns"] != sample_turns:  # ExperienceStream counts them too
         raise RuntimeError(f"{engine}: {metrics['total_turns']} turns, expected {sample_turns}")
     us = {p: 1e6 * metrics[f"timing/{p}_s"] / sample_turns for p in PHASES}
+    us["CPU"] = 1e6 * cpu / sample_turns
     us["total overhead"] = 1e6 * overhead / sample_turns
     return us
 
@@ -190,10 +196,13 @@ def overhead_table(engines: tuple[str, ...], runs: dict[str, list[dict]]) -> lis
     for phase in [*PHASES, "total overhead"]:
         cells = [spread([r[phase] for r in runs[e]]) for e in engines]
         lines.append(f"| {phase} | " + " | ".join(cells) + " |")
-    sync = [r["total overhead"] for r in runs["sync"]]
-    ratios = {e: [r["total overhead"] / s for r, s in zip(runs[e], sync)] for e in others}
-    cells = [f"{spread_ratio(ratios[e])}" for e in others]
-    lines.append("| total / sync, per repetition | 1 | " + " | ".join(cells) + " |")
+    lines.append("| CPU, driver + environment actor | " + " | ".join(
+        spread([r["CPU"] for r in runs[e]]) for e in engines) + " |")  # fmt: skip
+    for measure, label in (("total overhead", "total"), ("CPU", "CPU")):
+        sync = [r[measure] for r in runs["sync"]]
+        ratios = [[r[measure] / s for r, s in zip(runs[e], sync)] for e in others]
+        cells = [spread_ratio(values) for values in ratios]
+        lines.append(f"| {label} / sync, per repetition | 1 | " + " | ".join(cells) + " |")
     return lines
 
 
