@@ -138,6 +138,7 @@ class RolloutStream:
         self.state = RolloutState.start(input_batch, tokenizer, max_seq_len)
         check_tasks_have_envs(self.state.task_names, task_to_env)
         self.timer = PhaseTimer()
+        self._regenerated = getattr(policy_generation, "generation_retries", 0)
         self._engine = SampleEngine(
             self.state, policy_generation, tokenizer, task_to_env, max_rollout_turns, greedy,
             self.options, self.timer,
@@ -184,7 +185,12 @@ class RolloutStream:
         """The rollout's metrics, as ``run_multi_turn_rollout`` reports them."""
         self._require_finished()
         metrics = rollout_metrics(self.state, ~self.state.done, self.timer)
-        return {**metrics, "total_env_step_retries": self._engine.dispatcher.retries}
+        regenerated = getattr(self._engine.policy, "generation_retries", 0) - self._regenerated
+        return {
+            **metrics,
+            "total_env_step_retries": self._engine.dispatcher.retries,
+            "total_generation_retries": regenerated,
+        }
 
     async def _samples(self) -> AsyncIterator[FinishedSample]:
         """Each finished sample with its row; the rows of samples that finished together

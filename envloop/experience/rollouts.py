@@ -126,6 +126,7 @@ def run_multi_turn_rollout(
     renderer = observation_renderer(tokenizer, opts.observation_format)
     dispatcher = EnvDispatcher.from_options(task_to_env, opts)
     timer = PhaseTimer()
+    regenerated = getattr(policy_generation, "generation_retries", 0)  # lost workers' rows
     try:
         for _ in range(max_rollout_turns):
             active = state.active_indices()
@@ -140,7 +141,12 @@ def run_multi_turn_rollout(
         dispatcher.shutdown()
     max_turns_reached = ~state.done
     metrics = rollout_metrics(state, max_turns_reached, timer)
-    return final_rows(input_batch, state), {**metrics, "total_env_step_retries": dispatcher.retries}
+    regenerated = getattr(policy_generation, "generation_retries", 0) - regenerated
+    retries = {
+        "total_env_step_retries": dispatcher.retries,
+        "total_generation_retries": regenerated,
+    }
+    return final_rows(input_batch, state), {**metrics, **retries}
 
 
 def run_async_multi_turn_rollout(
