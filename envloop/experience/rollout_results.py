@@ -3,7 +3,6 @@ outcome (what ``run_multi_turn_rollout`` and the async engine return)."""
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import numpy as np
@@ -51,19 +50,19 @@ def grouped_slot_rows(
     component columns are those its own samples reported."""
     flat = [i for group in groups for i in group]
     rows = np.asarray(flat, dtype=np.int64)
-    bounds = list(itertools.accumulate((len(group) for group in groups), initial=0))
-    spans = list(itertools.pairwise(bounds))
+    sizes = [len(group) for group in groups]
 
     def taken(column: torch.Tensor) -> list[torch.Tensor]:
-        # Indexed through numpy: a copy of the rows in a µs or two, not a torch call's ten;
-        # each group gets a view of its part of the copy.
-        values = column.numpy()[rows]
-        return [torch.from_numpy(values[a:b]) for a, b in spans]
+        # Indexed through numpy (a copy of the rows in a µs or two, not a torch call's ten),
+        # then split into a view per group in one call.
+        return list(torch.from_numpy(column.numpy()[rows]).split(sizes))
 
     def listed(column: list[Any]) -> list[list[Any]]:
         return [[column[i] for i in group] for group in groups]
 
-    failed = taken(state.failed | state.generation_failed)
+    failed_rows = (state.failed | state.generation_failed).numpy()[rows]
+    failed = list(torch.from_numpy(failed_rows).split(sizes))
+    kept = list(torch.from_numpy((~failed_rows).astype(np.float32)).split(sizes))
     logs, metadata = listed(state.message_logs), listed(state.metadata)
     columns: dict[str, list[Any]] = {
         "total_reward": taken(state.total_reward),
@@ -82,7 +81,7 @@ def grouped_slot_rows(
         given = final.get("loss_multiplier")
         final["message_log"] = logs[k]
         final["extra_env_info"] = metadata[k]
-        final["loss_multiplier"] = _loss_multiplier(given, failed[k])
+        final["loss_multiplier"] = kept[k] if given is None else _loss_multiplier(given, failed[k])
         for key, values in columns.items():
             final[key] = values[k]
         reported = set().union(*names[k]) if own_components else None
@@ -97,8 +96,6 @@ def grouped_slot_rows(
 
 
 def _loss_multiplier(given: Any, failed: torch.Tensor) -> Any:
-    if given is None:
-        return (~failed).float()
     if isinstance(given, torch.Tensor):
         return torch.where(failed, torch.zeros_like(given), given)
     return [0.0 if f else m for m, f in zip(given, failed.tolist())]
