@@ -1,6 +1,7 @@
-"""Memory per sample of a GRPO batch's image inputs: each sample's images concatenated
-into one tensor against envloop's flattening (each image stored once), side by side in
-one run.
+"""Memory per sample of a GRPO batch's image inputs: repeats that copy the prompt's image
+(the published default), repeats that share it with each sample's images concatenated into
+one tensor, and envloop's rollout path (shared repeats, flattening that references each
+image once), side by side in one run.
 
 Workload: ``--prompts`` prompts with one image each, repeated ``--generations`` times
 (``BatchedDataDict.repeat_interleave``, as the dataset builds a rollout batch); each
@@ -10,12 +11,16 @@ environment's observation). The image inputs are the tiny Qwen2.5-VL processor's
 image; a real processor's images are larger, the ratios the same). Each configuration is
 flattened into the training batch (``batched_message_log_to_flat_message``):
 
-- concatenated: each sample's images are one tensor (a sample with one image keeps that
-  tensor), so a prompt's image is copied into every generation's row once the sample has
-  a second image message; NeMo-RL's plain flattening does this (and copies single images
-  too);
-- referenced: envloop's flattening; rows reference the messages' tensors, and the tensors
-  a prompt's generations share (``repeat_interleave`` shares them) are stored once.
+- copied: ``repeat_interleave(generations)`` (the default, as published: each generation's
+  log holds its own copy of the prompt's image tensors) and each sample's images as one
+  tensor, as NeMo-RL's plain flattening makes it;
+- concatenated: ``repeat_interleave(generations, share_immutable_media=True)`` (the
+  generations share the prompt's tensors) and each sample's images as one tensor (a
+  sample with one image keeps that tensor), so a prompt's image is copied into every
+  generation's row once the sample has a second image message;
+- referenced: the same shared repeats and envloop's flattening; rows reference the
+  messages' tensors, and the tensors a prompt's generations share are stored once (what
+  ``build_rollout_batch`` and the training batch do).
 
 Reported per sample: the bytes the batch's vision columns hold (distinct tensor storages)
 and the bytes of the batch pickled (what a Ray worker is sent), and the time to flatten
@@ -59,16 +64,18 @@ def user(seed: int, text: str) -> dict:
     return {"role": "user", "content": parts}
 
 
-def rollout_logs(processor, prompts: int, generations: int, turns: int) -> list[list[dict]]:
-    """Prompt logs repeated per generation, each generation then given ``turns`` replies
-    and image turns of its own (formatted once per distinct image, as a rollout does)."""
+def rollout_logs(
+    processor, prompts: int, generations: int, turns: int, share: bool
+) -> list[list[dict]]:
+    """Prompt logs repeated per generation (sharing their media if ``share``), each
+    generation then given ``turns`` replies and image turns of its own (formatted once per
+    distinct image, as a rollout does)."""
     prompt_logs = [
         get_formatted_message_log([user(p, f"Describe image {p}.")], processor)
         for p in range(prompts)
     ]
-    logs = BatchedDataDict({"message_log": prompt_logs}).repeat_interleave(generations)[
-        "message_log"
-    ]
+    batch = BatchedDataDict({"message_log": prompt_logs})
+    logs = batch.repeat_interleave(generations, share_immutable_media=share)["message_log"]
     for row, log in enumerate(logs):
         conversation = [user(row // generations, f"Describe image {row // generations}.")]
         for t in range(turns):
@@ -129,18 +136,24 @@ def main() -> None:
         f"{args.prompts} prompts x {args.generations} generations; KB per sample "
         "(vision columns held / batch pickled), flatten time"
     )
-    header = f"{'turns':>5} | {'concatenated':>24} | {'referenced':>24} | {'held saved':>10}"
+    header = (
+        f"{'turns':>5} | {'copied':>24} | {'concatenated':>24} | {'referenced':>24} | "
+        f"{'held saved':>10}"
+    )
     print(header + "\n" + "-" * len(header))
     for turns in args.turns:
-        logs = rollout_logs(processor, args.prompts, args.generations, turns)
-        plain, shared = measure(logs, True), measure(logs, False)
-        assert (plain["pixels"] == shared["pixels"]).all()  # the model sees the same input
+        copied_logs = rollout_logs(processor, args.prompts, args.generations, turns, False)
+        shared_logs = rollout_logs(processor, args.prompts, args.generations, turns, True)
+        copied = measure(copied_logs, True)
+        joined, referenced = measure(shared_logs, True), measure(shared_logs, False)
+        for other in (joined, referenced):  # the model sees the same input
+            assert (copied["pixels"] == other["pixels"]).all()
         cells = [
             f"{m['held'] / 1024:7.0f} / {m['pickled'] / 1024:6.0f} KB {m['ms']:5.1f} ms"
-            for m in (plain, shared)
+            for m in (copied, joined, referenced)
         ]
-        saved = 1 - shared["held"] / plain["held"]
-        print(f"{turns:>5} | {cells[0]:>24} | {cells[1]:>24} | {saved:>9.0%}")
+        saved = 1 - referenced["held"] / copied["held"]
+        print(f"{turns:>5} | {cells[0]:>24} | {cells[1]:>24} | {cells[2]:>24} | {saved:>9.0%}")
 
 
 if __name__ == "__main__":

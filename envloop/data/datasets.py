@@ -121,7 +121,8 @@ def build_rollout_batch(
     messages), ``ground_truth``, ``initial_extra_env_info`` (a copy the rollout leaves
     alone, for re-scoring) and ``generation`` (0 .. n-1 within each prompt's group),
     each prompt repeated ``generations_per_prompt`` times in a row (deep copies that share
-    the prompt's images and vision tensors). ``stop_strings`` gives each task's first-turn
+    the prompt's images and vision tensors: ``repeat_interleave(...,
+    share_immutable_media=True)``). ``stop_strings`` gives each task's first-turn
     stop strings; ``token_ids`` or ``message_logs``, the prompts' :func:`prompt_token_ids`
     or :func:`prompt_message_logs` when already computed. (Imports torch: reading rows
     does not.)"""
@@ -143,7 +144,7 @@ def build_rollout_batch(
         prompt_messages=[s.messages for s in samples],
         ground_truth=[s.ground_truth for s in samples],
     )
-    batch = batch.repeat_interleave(generations_per_prompt)  # sharing the image data
+    batch = batch.repeat_interleave(generations_per_prompt, share_immutable_media=True)
     batch["generation"] = list(range(generations_per_prompt)) * len(samples)
     return batch
 

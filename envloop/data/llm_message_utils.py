@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -389,7 +388,7 @@ class MisalignedMediaError(ValueError, AssertionError):
 
 def _deduplicated(value: PackedTensor) -> PackedTensor:
     """``value`` if deduplication is enabled on it, else a copy (same tensors) with it."""
-    return value if value.deduplication_enabled else copy.deepcopy(value).enable_deduplication()
+    return value if value.deduplication_enabled else value.sharing_copy().enable_deduplication()
 
 
 def _raw_media(

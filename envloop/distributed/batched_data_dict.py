@@ -190,49 +190,56 @@ class BatchedDataDict(MicroBatchMixin, dict, Generic[DictT]):
     def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> Self:
         """Each row repeated ``num_repeats`` times in place (``a a b b``), e.g. for GRPO groups.
 
-        List entries are deep-copied per repeat, so repeated samples never share mutable state,
-        except image data, which is immutable and large: PIL images and encoded image buffers
-        inside list entries (e.g. image parts of message contents) and the tensors of
-        ``PackedTensor`` values (columns, or per-message vision inputs) are shared by the
-        repeats, not copied.
+        Tensor columns are repeated along dim 0; list entries are deep-copied per repeat, so
+        repeated samples never share mutable state, media included (as published).
 
-        ``share_immutable_media=True`` also deduplicates: every ``PackedTensor`` (in list
-        entries, in place, and the repeated columns) gets provenance ids, so flattening the
-        repeats' logs, sharding and joining them keep one stored copy per image; and raw
-        media leaves (under ``vllm_images`` / ``vllm_videos`` / ``vllm_audios`` /
-        ``vllm_content`` or in image, video and audio content parts) are shared too.
+        ``share_immutable_media=True``: the repeats share their media instead (the lists,
+        dicts and messages around it are still copied, so repeats can diverge). Every
+        ``PackedTensor`` in the rows gets deduplication enabled (in place; its rows do not
+        change), so the repeats hold the same tensor objects and flattening, sharding and
+        joining their logs keep one stored copy per image; raw media leaves are shared where
+        a row names them as media (under ``vllm_images`` / ``vllm_videos`` /
+        ``vllm_audios`` / ``vllm_content``, or in image, video and audio content parts), and
+        so are PIL images and encoded image buffers anywhere in the rows. Use it for GRPO
+        groups of vision-language prompts: a group of ``n`` then holds each image once.
 
-        >>> pixels = PackedTensor([torch.ones(4, 3), None], dim_to_pack=0)
-        >>> logs = [[{"role": "user", "pixel_values": pixels.slice([0])}], [{"role": "user"}]]
-        >>> r = BatchedDataDict({"pixel_values": pixels, "message_log": logs}).repeat_interleave(2)
-        >>> r["pixel_values"][1] is r["pixel_values"][0] is pixels[0]
-        True
-        >>> r["message_log"][1] is r["message_log"][0]
+        Raises ``NotImplementedError`` for a ``PackedTensor`` column, as published.
+
+        >>> pixels = PackedTensor(torch.ones(4, 3), dim_to_pack=0)
+        >>> logs = [[{"role": "user", "pixel_values": pixels}], [{"role": "user"}]]
+        >>> plain = BatchedDataDict({"message_log": logs}).repeat_interleave(2)
+        >>> plain["message_log"][1][0]["pixel_values"][0] is pixels[0]
         False
-        >>> r["message_log"][1][0]["pixel_values"][0] is pixels[0]
+        >>> shared = BatchedDataDict({"message_log": logs}).repeat_interleave(
+        ...     2, share_immutable_media=True)
+        >>> shared["message_log"][1] is shared["message_log"][0]
+        False
+        >>> shared["message_log"][1][0]["pixel_values"][0] is pixels[0]
         True
         """
         if num_repeats < 1:
             raise ValueError(f"repeat_interleave needs num_repeats >= 1, got {num_repeats}.")
+        packed = [key for key, value in self.items() if isinstance(value, PackedTensor)]
+        if packed:
+            raise NotImplementedError(
+                f"PackedTensor does not currently support repeat_interleave (column "
+                f"{packed[0]!r}). Keep vision inputs in the message logs (one PackedTensor per "
+                "message, as get_formatted_message_log stores them) and repeat the batch with "
+                "share_immutable_media=True, or repeat the column's rows yourself: "
+                f"batch[{packed[0]!r}].repeat_interleave(n) shares their tensors."
+            )
         out = type(self)()
         for key, value in self.items():
             if isinstance(value, torch.Tensor):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
             elif isinstance(value, list):
-                in_media = key in NATIVE_MULTIMODAL_KEYS
                 out[key] = [
                     repeat
                     for item in value
-                    for repeat in deepcopy_sharing_images(
-                        item,
-                        num_repeats,
-                        prepare_media_sharing(item, in_media) if share_immutable_media else None,
+                    for repeat in _repeated(
+                        item, num_repeats, share_immutable_media, key in NATIVE_MULTIMODAL_KEYS
                     )
                 ]
-            elif isinstance(value, PackedTensor):
-                if share_immutable_media and not value.deduplication_enabled:
-                    value = copy.deepcopy(value).enable_deduplication()
-                out[key] = value.repeat_interleave(num_repeats)
             else:
                 raise unsupported(key, value)
         return out
@@ -540,3 +547,11 @@ def _dtype_device(tensor: torch.Tensor) -> str:
     dtype = str(tensor.dtype).removeprefix("torch.")
     device = "" if tensor.device.type == "cpu" else f" {tensor.device}"
     return f" {dtype}{device}"
+
+
+def _repeated(item: Any, times: int, share_media: bool, in_media: bool) -> list[Any]:
+    """``times`` deep copies of ``item``; sharing its media with ``share_media``
+    (``in_media``: every leaf of ``item`` is media, its column being a native media key)."""
+    if not share_media:
+        return [copy.deepcopy(item) for _ in range(times)]
+    return deepcopy_sharing_images(item, times, prepare_media_sharing(item, in_media))

@@ -1,5 +1,6 @@
 """Column helpers of ``BatchedDataDict``: batch length of a column, concatenating columns,
-and the deep copy of list entries that keeps image data shared."""
+and the deep copy of list entries that keeps image data shared
+(``repeat_interleave(..., share_immutable_media=True)``)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def deepcopy_sharing_images(
     """``times`` deep copies of ``item`` that share its image data: PIL images and encoded
     image buffers (``bytearray``, ``memoryview``; ``bytes`` are immutable and never copied)
     found in its dicts, lists and tuples are not copied, nor are the tensors of its
-    ``PackedTensor`` values (``PackedTensor.__deepcopy__``). Everything else (e.g.
-    ``token_ids``, the content lists holding the images) is copied. ``also_shared``: more
-    objects not to copy (id -> object, as ``media_sharing.prepare_media_sharing`` gives)."""
+    deduplicated ``PackedTensor`` values (``PackedTensor.__deepcopy__``). Everything else
+    (e.g. ``token_ids``, the content lists holding the images) is copied. ``also_shared``:
+    more objects not to copy (id -> object, as ``media_sharing.prepare_media_sharing``
+    gives)."""
     shared = {id(data): data for data in _image_data(item)}
     shared.update(also_shared or {})
     return [copy.deepcopy(item, dict(shared)) for _ in range(times)]

@@ -4,8 +4,10 @@ Vision inputs differ in size from sample to sample (an image is 4 or 64 patches)
 cannot be one [B, ...] tensor. A ``PackedTensor`` holds one logical row per sample and
 concatenates the rows' tensors along ``dim_to_pack`` only in ``as_tensor()``.
 ``BatchedDataDict`` accepts it as a column. Its tensors are treated as immutable: selecting,
-slicing, repeating and ``copy.deepcopy`` build new lists of the same tensor objects, so
-image data is never copied per sample or per generation.
+slicing and repeating rows build new lists of the same tensor objects, so image data is
+never copied per sample or per generation. ``copy.deepcopy`` copies the tensors unless
+deduplication is enabled (as published); ``BatchedDataDict.repeat_interleave(...,
+share_immutable_media=True)`` enables it.
 
 Two layouts (see ``docs/multimodal_data.md``):
 
@@ -25,6 +27,7 @@ The published path is ``envloop.data.multimodal_utils.PackedTensor``; it lives h
 
 from __future__ import annotations
 
+import copy
 import itertools
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -51,17 +54,17 @@ class PackedTensor:
     patches of every sample, [sum of patches, D], as a vision tower takes them); with
     ``pad_to_max_shape`` every other dimension is first zero-padded (at its end) to the
     largest size in the batch, for images of mixed sizes, audio or video. ``p[i]`` is row
-    ``i`` as one tensor (None for a row without this input). Selecting, slicing, repeating
-    and deep-copying build new lists of the same tensor objects: no image data is copied.
+    ``i`` as one tensor (None for a row without this input). Selecting, slicing and repeating
+    rows build new lists of the same tensor objects: no image data is copied.
+    ``copy.deepcopy`` copies the tensors unless deduplication is enabled.
 
     >>> p = PackedTensor([torch.ones(2, 3), None, torch.zeros(1, 3)], dim_to_pack=0)
     >>> len(p), tuple(p.as_tensor().shape), len(p.slice([2, 0]))
     (3, (3, 3), 2)
     >>> PackedTensor.flattened_concat([p, p.slice([1])]).as_tensor().shape[0]
     3
-    >>> import copy
-    >>> copy.deepcopy(p)[0] is p[0]
-    True
+    >>> copy.deepcopy(p)[0] is p[0], copy.deepcopy(p.enable_deduplication())[0] is p[0]
+    (False, True)
 
     Deduplicated: four rows, one physical tensor.
 
@@ -234,14 +237,25 @@ class PackedTensor:
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
-        """A new PackedTensor holding the same tensor objects (immutable data), its own lists,
-        and the same provenance ids."""
+        """A new PackedTensor with its own lists. With deduplication enabled it holds the same
+        tensor objects (immutable media, stored once) and the same provenance ids; without,
+        copies of the tensors (``copy.deepcopy`` with ``memo``, so a tensor held twice is
+        copied once), as published."""
         provenance = self._segment_provenance
-        copied = self._copy_layout(
-            list(self.tensors), None if provenance is None else list(provenance)
-        )
+        if provenance is None:
+            copied = self._copy_layout([copy.deepcopy(t, memo) for t in self.tensors], None)
+        else:
+            copied = self._copy_layout(list(self.tensors), list(provenance))
         memo[id(self)] = copied
         return copied
+
+    def sharing_copy(self) -> PackedTensor:
+        """A new PackedTensor with its own lists holding the same tensor objects (no data
+        copied) and the same provenance ids, if any."""
+        provenance = self._segment_provenance
+        return self._copy_layout(
+            list(self.tensors), None if provenance is None else list(provenance)
+        )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled value, including one pickled before deduplication existed (no

@@ -131,9 +131,11 @@ def test_a_flat_batch_keeps_images_aligned_through_batch_operations(processor):
     flat, _ = batched_message_log_to_flat_message(logs)
     flat["sample"] = list(range(4))
     per_sample = [flat["pixel_values"][i] for i in range(4)]
-    joined = BatchedDataDict.from_batches(
-        [flat.select_indices([2, 3, 1]).repeat_interleave(2), flat.slice(0, 2)]
-    )
+    picked = flat.select_indices([2, 3, 1])
+    vision = {key: picked.pop(key) for key in VISION_KEYS}  # a batch refuses to repeat these
+    repeated = picked.repeat_interleave(2, share_immutable_media=True)
+    repeated.update({key: value.repeat_interleave(2) for key, value in vision.items()})
+    joined = BatchedDataDict.from_batches([repeated, flat.slice(0, 2)])
     assert joined["sample"] == [2, 2, 3, 3, 1, 1, 0, 1]
     for row, sample in enumerate(joined["sample"]):
         assert joined["pixel_values"][row] is per_sample[sample]
@@ -195,9 +197,19 @@ def _grpo_logs(processor, share: bool) -> list[list[dict]]:
     return logs
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_a_prompt_image_is_stored_once_for_all_its_generations_and_turns(processor, share):
-    logs = _grpo_logs(processor, share)
+def test_plain_repeats_store_each_generations_copy_of_the_prompt_image(processor):
+    logs = _grpo_logs(processor, share=False)  # repeats copy the tensors, as published
+    flat, _ = batched_message_log_to_flat_message(logs)
+    for key in VISION_KEYS:
+        packed = flat[key]
+        assert len(packed) == 6 and len(packed.tensors) == 6 + 2
+        assert packed.logical_segment_counts_by_row() == [1, 2, 1, 1, 2, 1]
+        copied = [torch.cat([m[key][0] for m in log if key in m]) for log in logs]
+        assert torch.equal(packed.as_tensor(), torch.cat(copied))
+
+
+def test_a_prompt_image_is_stored_once_for_all_its_generations_and_turns(processor):
+    logs = _grpo_logs(processor, share=True)
     flat, _ = batched_message_log_to_flat_message(logs)
     for key in VISION_KEYS:
         packed = flat[key]
@@ -218,11 +230,12 @@ def test_a_prompt_image_is_stored_once_for_all_its_generations_and_turns(process
 
 
 def test_flattening_can_treat_every_value_as_deduplicated(processor):
-    logs = _grpo_logs(processor, share=False)  # repeats share the tensors, no provenance
+    logs = _grpo_logs(processor, share=False)  # repeats copy the tensors, no provenance
     plain, _ = batched_message_log_to_flat_message(logs)
     shared, _ = batched_message_log_to_flat_message(logs, deduplicate_multimodal_data=True)
     for key in VISION_KEYS:
-        assert shared[key].deduplication_enabled and len(shared[key].tensors) == 4
+        assert shared[key].deduplication_enabled and len(shared[key].tensors) == 6 + 2
+        assert shared[key].logical_segment_counts_by_row() == [1, 2, 1, 1, 2, 1]
         assert torch.equal(shared[key].as_tensor(), plain[key].as_tensor())
     assert not any(
         m[k].deduplication_enabled for log in logs for m in log for k in VISION_KEYS if k in m

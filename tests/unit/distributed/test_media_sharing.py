@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -21,13 +22,23 @@ def _log(pixels: PackedTensor, image: Image.Image) -> list[dict]:
     ]
 
 
+def test_plain_repeats_copy_the_media_as_published():
+    pixels = PackedTensor(torch.rand(4, 6), dim_to_pack=0)
+    image = Image.new("RGB", (4, 4))
+    plain = BatchedDataDict({"message_log": [_log(pixels, image)]}).repeat_interleave(3)
+    first, second = plain["message_log"][0][0], plain["message_log"][1][0]
+    assert not pixels.deduplication_enabled and not first["pixel_values"].deduplication_enabled
+    copies = [first["pixel_values"].tensors[0], second["pixel_values"].tensors[0]]
+    assert len({id(pixels.tensors[0]), *map(id, copies)}) == 3
+    assert torch.equal(copies[0], pixels.tensors[0]) and torch.equal(copies[1], pixels.tensors[0])
+    assert first["content"][0]["image"] is not image and second["content"][0]["image"] is not image
+    assert first["content"][0]["image"].tobytes() == image.tobytes()
+
+
 def test_shared_media_is_deduplicated_and_the_containers_stay_separate():
     pixels = PackedTensor(torch.rand(4, 6), dim_to_pack=0)
     image = Image.new("RGB", (4, 4))
-    batch = BatchedDataDict({"message_log": [_log(pixels, image)], "pixel_values": pixels})
-    plain = batch.repeat_interleave(3)
-    assert not plain["message_log"][0][0]["pixel_values"].deduplication_enabled
-    assert not plain["pixel_values"].segmented
+    batch = BatchedDataDict({"message_log": [_log(pixels, image)]})
     shared = batch.repeat_interleave(3, share_immutable_media=True)
     assert pixels.deduplication_enabled  # the source's PackedTensors get provenance in place
     logs = shared["message_log"]
@@ -40,8 +51,22 @@ def test_shared_media_is_deduplicated_and_the_containers_stay_separate():
     assert first["pixel_values"]._segment_provenance == pixels._segment_provenance
     assert first["content"][0]["image"] is image
     assert first["token_ids"].data_ptr() != second["token_ids"].data_ptr()
-    column = shared["pixel_values"]
-    assert len(column) == 3 and column.tensors == [pixels.tensors[0]]
+
+
+@pytest.mark.parametrize("share_immutable_media", [False, True])
+def test_a_packed_tensor_column_is_refused_with_the_fix(share_immutable_media):
+    pixels = PackedTensor(torch.rand(4, 6), dim_to_pack=0)
+    batch = BatchedDataDict({"message_log": [_log(pixels, Image.new("RGB", (4, 4)))]})
+    batch["pixel_values"] = pixels
+    with pytest.raises(
+        NotImplementedError,
+        match=r"PackedTensor does not currently support repeat_interleave \(column "
+        r"'pixel_values'\).*batch\['pixel_values'\]\.repeat_interleave\(n\)",
+    ):
+        batch.repeat_interleave(2, share_immutable_media=share_immutable_media)
+    assert not pixels.deduplication_enabled  # refused before anything changed
+    repeated = pixels.repeat_interleave(2)
+    assert len(repeated) == 2 and repeated[1] is pixels.tensors[0]
 
 
 def test_raw_media_under_native_keys_and_in_media_parts_is_shared_only_when_asked():

@@ -89,15 +89,29 @@ def test_concat_joins_items_and_flattened_concat_makes_one_item_per_entry():
     assert _same_items(PackedTensor.empty_like(_packed(a), 2), [None, None])
 
 
-def test_deepcopy_shares_the_tensors_but_not_the_item_list():
+def test_deepcopy_copies_the_tensors_once_as_published():
     a = _patches(0, 2)
-    packed = _packed(a, None)
+    packed = _packed(a, None, a)
     copied = copy.deepcopy({"x": packed, "again": packed})
     assert copied["x"] is copied["again"]  # the memo keeps one copy per object
-    assert copied["x"] is not packed
-    assert copied["x"][0] is a
+    assert copied["x"] is not packed and not copied["x"].deduplication_enabled
+    assert copied["x"][0] is not a and torch.equal(copied["x"][0], a)
+    assert copied["x"][2] is copied["x"][0] and copied["x"][1] is None  # a tensor held twice
     copied["x"].tensors.append(a)
+    assert len(packed) == 3
+
+
+def test_deepcopy_of_a_deduplicated_value_shares_the_tensors_but_not_the_item_list():
+    a = _patches(0, 2)
+    packed = _packed(a, None).enable_deduplication()
+    copied = copy.deepcopy(packed)
+    assert copied is not packed and copied[0] is a
+    assert copied._segment_provenance == packed._segment_provenance
+    assert copied._segment_provenance is not packed._segment_provenance
+    copied.tensors.append(a)
     assert len(packed) == 2
+    shared = _packed(a).sharing_copy()
+    assert shared[0] is a and not shared.deduplication_enabled
 
 
 def test_to_moves_every_item_and_keeps_nones():
@@ -183,12 +197,8 @@ def test_slice_takes_the_same_items():
     assert len(batch.slice(3, 10)["pixel_values"]) == 1
 
 
-def test_repeat_interleave_shares_image_data_and_copies_the_rest():
-    image = Image.new("RGB", (5, 3), (9, 8, 7))
-    encoded = b"\x89PNG not really"
-    buffer = bytearray(encoded)
-    pixels = _patches(0, 2)
-    log = [
+def _media_log(image: Image.Image, encoded: bytes, buffer: bytearray, pixels: torch.Tensor):
+    return [
         {
             "role": "user",
             "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}],
@@ -198,9 +208,22 @@ def test_repeat_interleave_shares_image_data_and_copies_the_rest():
         {"role": "user", "content": [{"type": "image", "image": encoded}]},
         {"role": "user", "content": [{"type": "image", "image": {"bytes": buffer}}]},
     ]
-    batch = BatchedDataDict({"message_log": [log], "pixel_values": _packed(pixels)})
-    out = batch.repeat_interleave(3)
-    assert all(p is pixels for p in out["pixel_values"])
+
+
+def test_repeat_interleave_copies_image_data_unless_asked_to_share_it():
+    image = Image.new("RGB", (5, 3), (9, 8, 7))
+    encoded = b"\x89PNG not really"
+    buffer = bytearray(encoded)
+    pixels = _patches(0, 2)
+    log = _media_log(image, encoded, buffer, pixels)
+    plain = BatchedDataDict({"message_log": [log]}).repeat_interleave(2)["message_log"]
+    for copy_ in plain:
+        assert copy_[0]["content"][0]["image"] is not image
+        assert copy_[0]["content"][0]["image"].tobytes() == image.tobytes()
+        assert copy_[2]["content"][0]["image"]["bytes"] is not buffer
+        assert copy_[0]["pixel_values"][0] is not pixels
+        assert torch.equal(copy_[0]["pixel_values"][0], pixels)
+    out = BatchedDataDict({"message_log": [log]}).repeat_interleave(3, share_immutable_media=True)
     first, second = out["message_log"][0], out["message_log"][1]
     assert first is not second and first is not log
     for copy_ in (first, second):
@@ -509,6 +532,17 @@ def _shard(data, batch: BatchedDataDict) -> tuple[list[BatchedDataDict], str, li
     return parts, mode, order
 
 
+def _repeat(batch: BatchedDataDict, n: int) -> BatchedDataDict:
+    """Each row of ``batch`` ``n`` times: its ``PackedTensor`` columns by their own
+    ``repeat_interleave`` (a batch refuses them, as published), the other columns by the
+    batch's, sharing media."""
+    packed = {k: v for k, v in batch.items() if isinstance(v, PackedTensor)}
+    rest = BatchedDataDict({k: v for k, v in batch.items() if k not in packed})
+    out = rest.repeat_interleave(n, share_immutable_media=True)
+    out.update({k: v.repeat_interleave(n) for k, v in packed.items()})
+    return out
+
+
 def _apply(data, op: str, batch: BatchedDataDict) -> BatchedDataDict:
     size = batch.size
     if op == "select":
@@ -521,7 +555,7 @@ def _apply(data, op: str, batch: BatchedDataDict) -> BatchedDataDict:
         return batch.slice(start, data.draw(st.integers(start, size + 1), label="end"))
     if op == "repeat":
         n = data.draw(st.integers(1, 3), label="repeats")
-        out = batch.repeat_interleave(n)
+        out = _repeat(batch, n)
         for i in range(out.size):  # every repeat has its own log, sharing the image data
             source = batch["message_log"][i // n][0]
             mine = out["message_log"][i][0]
@@ -577,13 +611,13 @@ def test_image_data_stays_with_its_sample_through_any_row_operations(patch_count
     patch_counts=st.lists(st.lists(st.integers(1, 5), max_size=3), min_size=1, max_size=5),
     repeats=st.integers(1, 4),
 )
-def test_repeat_interleave_never_copies_image_data(patch_counts, repeats):
+def test_shared_repeats_never_copy_image_data(patch_counts, repeats):
     batch, samples = _build(patch_counts, [2] * len(patch_counts))
 
     def storage(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr()
 
-    out = batch.repeat_interleave(repeats)
+    out = _repeat(batch, repeats)
     assert out["sample_id"] == [sid for sid in samples for _ in range(repeats)]
     for i, sid in enumerate(out["sample_id"]):
         want, pixels, message = samples[sid], out["pixel_values"][i], out["message_log"][i][0]
