@@ -29,6 +29,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from envloop.algorithms.grpo import filter_informative_groups
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, SampleEngine
@@ -389,14 +391,17 @@ class ExperienceStream:
             inputs = [group.rows.copy() for group in groups]
             slots = [group.slots for group in groups]
             results = grouped_slot_rows(inputs, self.state, slots, own_components=True)
-            tokens = self.state.gen_tokens.numpy()
+            flat = np.asarray([slot for group in groups for slot in group.slots])
+            starts = np.arange(len(groups)) * self.group_size
+            tokens = np.add.reduceat(self.state.gen_tokens.numpy()[flat], starts).tolist()
+            turns = np.add.reduceat(self.state.turns.numpy()[flat], starts).tolist()
         except Exception as exc:
             self._fail(exc)
             return
-        for group, rows in zip(groups, results):
+        for k, (group, rows) in enumerate(zip(groups, results)):
             self._running_groups -= 1
             result = FinishedGroup.of(self._member_indices(group), rows)
-            finished = _Finished(group, result, int(tokens[group.slots].sum()))
+            finished = _Finished(group, result, tokens[k], turns[k])
             self._free.extend(group.slots)
             if self._is_stale(finished):
                 self._regenerate(finished)
@@ -424,10 +429,10 @@ class ExperienceStream:
         result, c = finished.result, self._counters
         batch = result.batch
         c.groups_yielded += 1
-        c.samples_yielded += batch.size
+        c.samples_yielded += len(result.indices)
         errors = zip(batch["env_error"], batch["generation_error"])
         c.failed_samples += sum(e is not None or g is not None for e, g in errors)
-        c.turns += int(batch["num_turns"].sum())
+        c.turns += finished.turns
         c.generated_tokens += finished.generated_tokens
         if result.min_policy_version >= 0:
             c.staleness.add(self.policy.policy_version - result.min_policy_version)
@@ -459,7 +464,8 @@ class _Finished:
 
     group: _Group
     result: FinishedGroup
-    generated_tokens: int
+    generated_tokens: int  # by its members, summed
+    turns: int  # of its members, summed
 
 
 _LOADED_COLUMNS = ("message_log", "task_name", "stop_strings", "extra_env_info")
@@ -487,7 +493,7 @@ def _group_rows(datum: Any, group_size: int, number: int) -> BatchedDataDict[Any
             f"prompt {number} of the stream's source is a {type(datum).__name__}; give "
             "DatumSpec dicts (message_log, task_name, ...) or a BatchedDataDict."
         )
-    if row.size != 1:
+    if isinstance(datum, BatchedDataDict) and row.size != 1:
         raise ValueError(f"prompt {number} of the stream's source has {row.size} rows; give one")
     # Several members get their own copies of the row's lists (repeat_interleave deep-copies
     # them); a lone member shares them with the source, as a RolloutStream row does.
