@@ -1,9 +1,13 @@
-"""A stand-in llama.cpp server for ``server_client.py``: answers every ``POST /completion``
-with the same 16-token reply after a fixed latency, and counts the requests open at once.
+"""A stand-in llama.cpp server for ``server_client.py`` and ``server_fleet.py``: answers
+every ``POST /completion`` with the same 16-token reply after a fixed latency (a request for
+``n_cmpl`` completions: a list of that many, as llama-server answers), and counts the
+requests open at once.
 
 It runs in its own process (:func:`echo_server` starts it), so that its CPU time is not
-the client's. ``GET /stats`` answers ``{"served": n, "peak_open": k}``, ``k`` being the most
-requests open at once since the previous ``/stats``.
+the client's. ``GET /props`` answers ``{"total_slots": slots}`` (``--slots``, 1 by default:
+the client then sends one completion per request); ``GET /stats`` answers
+``{"served": n, "peak_open": k}``, ``k`` being the most requests open at once since the
+previous ``/stats``.
 
     .venv/bin/python benchmarks/_http_echo.py --latency 2.0   # prints its URL, then serves
 """
@@ -35,38 +39,47 @@ def raise_open_files_limit() -> int:
     return hard
 
 
-def llama_reply(tokens: int = REPLY_TOKENS) -> bytes:
+def llama_reply(tokens: int = REPLY_TOKENS, n: int = 1) -> bytes:
     """A llama.cpp ``/completion`` answer of ``tokens`` tokens, each with its probability,
-    ended by EOS."""
+    ended by EOS; for ``n`` > 1 completions, a list of ``n`` such answers."""
     ids = [100 + i for i in range(tokens)]
-    return json.dumps(
+    answers = [
         {
+            "index": j,
             "content": "",
             "tokens": ids,
             "completion_probabilities": [{"id": t, "prob": math.exp(-0.5)} for t in ids],
             "stop_type": "eos",
             "tokens_predicted": tokens,
         }
-    ).encode()
+        for j in range(n)
+    ]
+    return json.dumps(answers if n > 1 else answers[0]).encode()
 
 
 class EchoApp:
     """The handlers and their counters."""
 
-    def __init__(self, latency_s: float) -> None:
-        self.latency_s, self.reply = latency_s, llama_reply()
+    def __init__(self, latency_s: float, slots: int = 1) -> None:
+        self.latency_s, self.slots = latency_s, slots
+        self.replies = {n: llama_reply(n=n) for n in range(1, slots + 1)}
         self.open = self.peak_open = self.served = 0
 
     async def completion(self, request: web.Request) -> web.Response:
         self.open += 1
         self.peak_open = max(self.peak_open, self.open)
         try:
-            await request.read()
+            n = json.loads(await request.read()).get("n_cmpl", 1)
             await asyncio.sleep(self.latency_s)
         finally:
             self.open -= 1
+        if n not in self.replies:
+            return web.json_response({"error": f"n_cmpl {n} > {self.slots} slots"}, status=400)
         self.served += 1
-        return web.Response(body=self.reply, content_type="application/json")
+        return web.Response(body=self.replies[n], content_type="application/json")
+
+    async def props(self, request: web.Request) -> web.Response:
+        return web.json_response({"total_slots": self.slots})
 
     async def stats(self, request: web.Request) -> web.Response:
         answer = {"served": self.served, "peak_open": self.peak_open}
@@ -75,13 +88,16 @@ class EchoApp:
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.add_routes([web.post("/completion", self.completion), web.get("/stats", self.stats)])
+        app.add_routes(
+            [web.post("/completion", self.completion), web.get("/stats", self.stats),
+             web.get("/props", self.props)]
+        )  # fmt: skip
         return app
 
 
-async def serve(latency_s: float) -> None:
+async def serve(latency_s: float, slots: int = 1) -> None:
     """Serve on 127.0.0.1 on a free port, print the URL, and serve until killed."""
-    runner = web.AppRunner(EchoApp(latency_s).app(), access_log=None)
+    runner = web.AppRunner(EchoApp(latency_s, slots).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=BACKLOG)
     await site.start()
@@ -91,9 +107,10 @@ async def serve(latency_s: float) -> None:
 
 
 @contextlib.contextmanager
-def echo_server(latency_s: float) -> Iterator[str]:
+def echo_server(latency_s: float, slots: int = 1) -> Iterator[str]:
     """Run this module as a separate process for the ``with`` block; yields its URL."""
-    command = [sys.executable, str(Path(__file__).resolve()), "--latency", str(latency_s)]
+    script = str(Path(__file__).resolve())
+    command = [sys.executable, script, "--latency", str(latency_s), "--slots", str(slots)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -109,9 +126,10 @@ def echo_server(latency_s: float) -> Iterator[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--latency", type=float, default=2.0, help="seconds before each answer")
+    parser.add_argument("--slots", type=int, default=1, help="most completions per request")
     args = parser.parse_args()
     raise_open_files_limit()
-    asyncio.run(serve(args.latency))
+    asyncio.run(serve(args.latency, args.slots))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,17 @@ point 3): the client's CPU time per request at 1k / 4k / 16k in flight, and what
 killed and restarted under load costs.
 
 ``client``: two stand-in llama.cpp servers (``_http_echo.py``, separate processes, each
-answering every ``POST /completion`` with a 16-token reply after a latency that keeps the
-requests open together: ``in_flight / 1000`` s) behind one ``ServerClient`` whose
-``max_concurrent_requests`` is the load; it sends ``in_flight`` requests at once, each
-parsed into tokens and log-probabilities as in a real run. "client CPU" is this process's
-CPU time (``time.process_time``) over the requests, and the cyclic garbage collector's share
-of it is measured apart (``gc.callbacks``); the process-wide GC settings are left as they
-are.
+answering every ``POST /completion`` with a 16-token reply per completion after a latency
+that keeps the requests open together: ``in_flight / 1000`` s, and listing
+``--slots`` slots in ``GET /props``) behind one ``ServerClient`` whose
+``max_concurrent_requests`` is the load; ``in_flight`` rows go at once, each parsed into
+tokens and log-probabilities as in a real run, in two shapes side by side: every row a
+different prompt (one request per row), and the rows as samples of prompts, ``--group``
+samples each (consecutive seeds), which the client sends as one request for that many
+completions (``ServerClient.generate_group``; the servers' slots allow it, read from
+``/props`` as at start-up). "client CPU" is this process's CPU time
+(``time.process_time``) over the rows, and the cyclic garbage collector's share of it is
+measured apart (``gc.callbacks``); the process-wide GC settings are left as they are.
 
 ``recovery``: two real llama-servers (the bundled policy as an f32 GGUF,
 ``tests/fixtures/llama_server.py``: 4 slots, 1 thread each) behind one ``ServerGeneration``
@@ -23,6 +27,7 @@ answering ``/health`` to its first answered generation request (the rest of its
 set-aside), and from the kill to then.
 
     .venv/bin/python benchmarks/server_fleet.py [all|client|recovery] [--requests N]
+        [--loads 1024,4096,16384] [--group 16]
 """
 
 from __future__ import annotations
@@ -72,48 +77,71 @@ class ClientRun:
     gc_s: float
     wall_s: float
     failed: int
+    requests: int
 
 
-async def send_at_once(urls: list[str], in_flight: int) -> ClientRun:
+async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> ClientRun:
+    """``in_flight`` rows at once: with ``group`` 1 each a prompt of its own (one request
+    each), else samples of prompts, ``group`` each, sent as one request per prompt."""
     config = ServerGenerationConfig(
         base_urls=urls, dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight
     )
     client = ServerClient(config, make_dialect("llamacpp"), vocab_size=1 << 16)
     await client.open()
-    calls = [
-        client.generate(GenerationRequest(PROMPT, REPLY_TOKENS, None, n), SAMPLING, key=n)
-        for n in range(in_flight)
-    ]
+    for server in client.router.servers:  # what start-up asks: the slots in /props
+        await client.start(server, vision=False)
+    prompts = [[p + i % 1000 for p in PROMPT] for i in range(0, in_flight, group)]
+    if group == 1:
+        calls = [
+            client.generate(GenerationRequest(prompt, REPLY_TOKENS, None, n), SAMPLING, key=n)
+            for n, prompt in enumerate(prompts)
+        ]
+    else:
+        calls = [
+            client.generate_group(
+                GenerationRequest(prompt, REPLY_TOKENS, None, g * group), group, SAMPLING,
+                range(g * group, (g + 1) * group),
+            )
+            for g, prompt in enumerate(prompts)
+        ]  # fmt: skip
     gc.collect()
     with GcTimer() as collector:
         cpu, wall = time.process_time(), time.perf_counter()
-        results = await asyncio.gather(*calls)
+        answers = await asyncio.gather(*calls)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     await client.close()
+    results = answers if group == 1 else [r for rows in answers for r in rows]
     failed = sum(r.error is not None or len(r.tokens) != REPLY_TOKENS for r in results)
-    return ClientRun(in_flight, cpu, collector.seconds, wall, failed)
+    requests = client.counts["requests"]
+    return ClientRun(len(results), cpu, collector.seconds, wall, failed, requests)
 
 
-def client_section() -> list[str]:
+def client_section(loads: list[int], group: int) -> list[str]:
     lines = [
-        "Client CPU per request: one `ServerClient` over two stand-in llama.cpp servers "
-        f"(other processes), `in_flight` requests sent at once, {len(PROMPT)}-token prompt, "
-        f"{REPLY_TOKENS} tokens back, server latency in_flight / 1000 s.",
+        "Client CPU per row: one `ServerClient` over two stand-in llama.cpp servers "
+        f"(other processes, {group} slots each), `in_flight` rows sent at once, "
+        f"{len(PROMPT)}-token prompts, {REPLY_TOKENS} tokens back per row, server latency "
+        f"in_flight / 1000 s; each row a prompt of its own (one request per row), or "
+        f"samples of prompts, {group} each (one request per prompt).",
         "",
-        "| in flight | client CPU µs/request | of which cyclic GC | without GC | wall s | failed |",
-        "|---|---|---|---|---|---|",
+        "| in flight (rows) | rows per request | HTTP requests | client CPU µs/row "
+        "| of which cyclic GC | without GC | wall s | failed | load before |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for in_flight in LOADS:
+    for in_flight in loads:
         latency = max(0.1, in_flight / 1000)
-        with echo_server(latency) as first, echo_server(latency) as second:
+        with echo_server(latency, group) as first, echo_server(latency, group) as second:
             asyncio.run(send_at_once([first, second], 64))  # warm-up
-            run = asyncio.run(send_at_once([first, second], in_flight))
-        us = 1e6 / run.in_flight
-        lines.append(
-            f"| {in_flight:,} | {run.cpu_s * us:,.0f} | {run.gc_s * us:,.0f} "
-            f"| {(run.cpu_s - run.gc_s) * us:,.0f} | {run.wall_s:.1f} | {run.failed} |"
-        )
-        print(lines[-1], file=sys.stderr, flush=True)  # progress
+            for per_request in (1, group):
+                load = load_avg().split()[0]
+                run = asyncio.run(send_at_once([first, second], in_flight, per_request))
+                us = 1e6 / run.in_flight
+                lines.append(
+                    f"| {in_flight:,} | {per_request} | {run.requests:,} | {run.cpu_s * us:,.0f} "
+                    f"| {run.gc_s * us:,.0f} | {(run.cpu_s - run.gc_s) * us:,.0f} "
+                    f"| {run.wall_s:.1f} | {run.failed} | {load} |"
+                )
+                print(lines[-1], file=sys.stderr, flush=True)  # progress
     return lines
 
 
@@ -190,13 +218,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("section", nargs="?", default="all", choices=["all", "client", "recovery"])
     parser.add_argument("--requests", type=int, default=16384, help="recovery: rows at once")
+    parser.add_argument(
+        "--loads", default=",".join(map(str, LOADS)), help="client: rows in flight, comma-separated"
+    )
+    parser.add_argument("--group", type=int, default=16, help="client: samples per prompt")
     args = parser.parse_args()
     raise_open_files_limit()
     command = " ".join(["benchmarks/server_fleet.py", *sys.argv[1:]])
     print(f"`.venv/bin/python {command}` ({os.cpu_count()} cores; load average before: "
           f"{load_avg()})\n", flush=True)  # fmt: skip
     if args.section in ("all", "client"):
-        print("\n".join(client_section()) + "\n", flush=True)
+        loads = [int(load) for load in args.loads.split(",")]
+        print("\n".join(client_section(loads, args.group)) + "\n", flush=True)
     if args.section in ("all", "recovery"):
         print("\n".join(recovery_section(args.requests)) + "\n", flush=True)
     print(f"(load average after: {load_avg()})")

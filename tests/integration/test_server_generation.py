@@ -28,6 +28,7 @@ from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.generation.sampling import sampling_logprobs
+from envloop.models.generation.server_dialects import GenerationRequest, LlamaCppDialect, Sampling
 from envloop.models.generation.server_generation import ServerGeneration
 from tests.fixtures.batches import make_batch
 from tests.fixtures.envs import EchoEnv
@@ -164,6 +165,27 @@ def test_budgets_cap_each_row(policy):
     lengths = out["generation_lengths"].tolist()
     assert lengths[:2] == [3, 0] and 0 < lengths[2] <= MAX_NEW_TOKENS
     assert out["truncated"].tolist()[:2] == [True, True]
+
+
+def test_a_prompts_samples_go_as_one_request_and_get_their_own_requests_tokens(server):
+    backend = server_policy([server.url], seed=3, max_new_tokens=24, temperature=1.5)
+    try:
+        prompts = demo_prompts(backend.tokenizer, 2)
+        rows = [prompts[0]] * 4 + [prompts[1]] * 4  # two prompts' samples, as GRPO groups
+        out = backend.generate(prompt_batch(rows))
+        stats = backend.request_stats()
+    finally:
+        backend.shutdown()
+    dialect, sampling = LlamaCppDialect(), Sampling(1.5, 1.0, None, greedy=False)
+    for row, prompt in enumerate(rows):  # each row as a request of its own, with its seed
+        seed = (3 * 1_000_003 + row + 1) % 2**31
+        alone = server.post(
+            "/completion", dialect.body(GenerationRequest(prompt, 24, None, seed), sampling)
+        )
+        assert generated(out, row, prompt) == alone["tokens"]
+    assert len({tuple(generated(out, row, prompt)) for row, prompt in enumerate(rows)}) > 2
+    assert stats["requests"] - stats["score_requests"] == 2  # 4 slots: 4 rows per request
+    assert out["generation_error"] == [None] * len(rows)
 
 
 def echo_batch(tokenizer, count: int):

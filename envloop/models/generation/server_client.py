@@ -17,9 +17,10 @@ row's tokens carry the policy version served when their attempt was sent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -37,7 +38,7 @@ from envloop.models.generation.server_dialects import (
     ServerDialect,
     WeightReload,
 )
-from envloop.models.generation.server_routing import ServerRouter, ServerSlot
+from envloop.models.generation.server_routing import NoServerTakes, ServerRouter, ServerSlot
 from envloop.models.generation.server_weights import AttemptGate, ControlFailed, reload_servers
 
 __all__ = ["GenerationFailed", "RetryableFailure", "ServerClient"]
@@ -90,25 +91,77 @@ class ServerClient:
         """One row's generation; a row that fails for good comes back with ``error`` set
         and no tokens, never as an exception. ``versions`` holds, for each token, the
         policy version served when the attempt that generated the tokens was sent."""
+        return (await self.generate_group(request, 1, sampling, (key,)))[0]
+
+    async def generate_group(
+        self, request: GenerationRequest, n: int, sampling: Sampling, keys: Sequence[Any]
+    ) -> list[SampleResult]:
+        """``n`` rows of ``request``'s prompt, budget and stop strings, row ``j`` sampled
+        with seed ``request.seed + j`` (``keys``: their sample keys), as one request for
+        ``n`` completions to a server that takes that many (``ServerSlot.parallel``), else
+        split in halves, down to one request per row; each row's result is the one
+        :meth:`generate` gives for it (same tokens, same failure rules). A request that
+        fails fails or retries all its rows together."""
         if request.budget <= 0:
-            return SampleResult(truncated=True)
+            return [SampleResult(truncated=True) for _ in range(n)]
+        rows = [request] if n == 1 else [_shifted(request, j) for j in range(n)]
+        body: Callable[[ServerSlot], dict[str, Any]]
+        parse: Callable[[Any], Any]
+        if n == 1:
+            body = functools.partial(self._body, request, sampling)
+            parse = functools.partial(self._parse, request)
+        else:
+            body = functools.partial(self._group_body, request, n, sampling)
+            parse = functools.partial(self.dialect.parse_group, n=n)
         try:
-            reply, version = await self._call(
-                lambda server: self.dialect.body(request, sampling, server.media),
-                key,
-                lambda payload: _counted(
-                    self.dialect.parse(payload), request, self.dialect.image_count_fix
-                ),
+            replies, version = await self._call(body, keys, parse, n)
+        except GenerationFailed as exc:
+            self.counts["failed_rows"] += n
+            return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
+        except NoServerTakes:
+            half = n // 2
+            first, second = await asyncio.gather(
+                self.generate_group(request, half, sampling, keys[:half]),
+                self.generate_group(rows[half], n - half, sampling, keys[half:]),
             )
+            return first + second
+        if n == 1:
+            replies = [replies]
+        results = [_gapless(row, reply, version) for row, reply in zip(rows, replies)]
+        gaps = [j for j, result in enumerate(results) if result is None]
+        if gaps:  # rows whose reply lacks log-probabilities: follow-up requests each
+            filled = await asyncio.gather(
+                *(self._row_result(rows[j], sampling, replies[j], version, keys[j]) for j in gaps)
+            )
+            for j, result in zip(gaps, filled):
+                results[j] = result
+        return results  # type: ignore[return-value]
+
+    async def _row_result(
+        self, request: GenerationRequest, sampling: Sampling, reply: Reply, version: int,
+        key: Any,
+    ) -> SampleResult:  # fmt: skip
+        """One row's result from a reply with log-probability gaps: filled by follow-up
+        requests (the row fails if that fails)."""
+        try:
             logprobs = await self._complete_logprobs(request, sampling, reply, key)
         except GenerationFailed as exc:
             self.counts["failed_rows"] += 1
             return SampleResult(truncated=False, error=str(exc))
-        if len(reply.tokens) > request.budget:  # a server that overran its max_tokens
-            reply.tokens, logprobs = reply.tokens[: request.budget], logprobs[: request.budget]
-            reply.finish = "length"
-        versions = [version] * len(reply.tokens)
-        return SampleResult(reply.tokens, logprobs, reply.finish == "length", versions=versions)
+        return _row_tokens(request, reply.tokens, logprobs, reply.finish, version)
+
+    def _body(
+        self, request: GenerationRequest, sampling: Sampling, server: ServerSlot
+    ) -> dict[str, Any]:
+        return self.dialect.body(request, sampling, server.media)
+
+    def _group_body(
+        self, request: GenerationRequest, n: int, sampling: Sampling, server: ServerSlot
+    ) -> dict[str, Any]:
+        return self.dialect.group_body(request, n, sampling, server.media)
+
+    def _parse(self, request: GenerationRequest, payload: Any) -> Reply:
+        return _counted(self.dialect.parse(payload), request, self.dialect.image_count_fix)
 
     async def probe(self, server: ServerSlot, token_id: int) -> Reply:
         """One probe request to ``server`` (no retries): its answer must carry token ids."""
@@ -175,16 +228,21 @@ class ServerClient:
             raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
 
     async def _call(
-        self, body: Callable[[ServerSlot], dict[str, Any]], key: Any, parse: Any
-    ) -> tuple[Any, int]:
-        """POST ``body(server)`` to the dialect's path of the server the router picks and
-        ``parse`` the answer, with retries; returns it with the policy version the
-        answering attempt was sent under."""
+        self, body: Callable[[ServerSlot], dict[str, Any]], keys: Sequence[Any], parse: Any,
+        need: int = 1,
+    ) -> tuple[Any, int]:  # fmt: skip
+        """POST ``body(server)`` to the dialect's path of the server the router picks for
+        the samples of ``keys`` (one taking ``need`` completions per request) and ``parse``
+        the answer, with retries; returns it with the policy version the answering attempt
+        was sent under. Raises :class:`NoServerTakes` when no joined server takes
+        ``need``."""
         assert self._gate is not None
         attempts = self.config.max_retries + 1
+        key, others = (keys[0], keys[1:]) if keys else (None, ())
         for attempt in range(attempts):
             async with self._gate.admitted():
-                version, server = self.version, self.router.acquire(key)
+                version = self.version
+                server = self.router.acquire(key, need=need, keys=others)
                 self.counts["requests"] += 1
                 answered = False
                 try:  # released however it ends, a cancellation included
@@ -196,7 +254,7 @@ class ServerClient:
                     answered = True  # the server answered: the request was at fault
                     raise
                 finally:
-                    self.router.release(server, ok=answered)
+                    self.router.release(server, ok=answered, n=need)
             if answered:
                 return result, version
             if attempt + 1 == attempts:
@@ -240,11 +298,37 @@ class ServerClient:
 
         async def follow_up(body: Callable[[ServerSlot], dict[str, Any]], parse: Any) -> Any:
             self.counts["score_requests"] += 1
-            return (await self._call(body, key, parse))[0]
+            return (await self._call(body, (key,), parse))[0]
 
         return await self.dialect.fill_logprobs(
             request, sampling, reply, follow_up, self.vocab_size
         )
+
+
+def _gapless(request: GenerationRequest, reply: Reply, version: int) -> SampleResult | None:
+    """The row's result from ``reply``, or None when some of its log-probabilities are
+    missing (the dialect's follow-up requests fill them)."""
+    logprobs = reply.logprobs
+    if None in logprobs:
+        return None
+    return _row_tokens(request, reply.tokens, logprobs, reply.finish, version)  # type: ignore[arg-type]
+
+
+def _row_tokens(
+    request: GenerationRequest, tokens: list[int], logprobs: list[float], finish: str,
+    version: int,
+) -> SampleResult:  # fmt: skip
+    """A row's tokens capped at its budget (a server that overran its max_tokens ends at
+    the budget, truncated), every token labelled ``version``."""
+    if len(tokens) > request.budget:
+        tokens, logprobs, finish = tokens[: request.budget], logprobs[: request.budget], "length"
+    return SampleResult(tokens, logprobs, finish == "length", versions=[version] * len(tokens))
+
+
+def _shifted(request: GenerationRequest, j: int) -> GenerationRequest:
+    """``request`` with its seed moved on by ``j`` (unseeded stays unseeded)."""
+    seed = None if request.seed is None else request.seed + j
+    return GenerationRequest(request.prompt, request.budget, request.stops, seed, request.images)
 
 
 def _counted(reply: Reply, request: GenerationRequest, fix: str) -> Reply:

@@ -148,10 +148,10 @@ class ServerGeneration(GenerationInterface):
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False
     ) -> BatchedDataDict[GenerationOutputSpec]:
         """Generate one response per row (see the class docstring); rows in input order."""
-        batch, calls = self._prepare(data, greedy)
-        futures = [self._loop.submit(call) for call in calls]
+        batch, groups = self._prepare(data, greedy)
+        futures = [self._loop.submit(call) for _, call in groups]
         try:
-            results = [future.result() for future in futures]
+            results = [result for future in futures for result in future.result()]
         finally:  # interrupted: stop waiting on the servers for rows nobody will read
             for future in futures:
                 future.cancel()
@@ -162,11 +162,12 @@ class ServerGeneration(GenerationInterface):
     ) -> AsyncIterator[tuple[int, BatchedDataDict[GenerationOutputSpec]]]:
         """Yield ``(row, one-row output)`` as each row's request comes back; every row's
         request is sent at once (up to ``max_concurrent_requests`` over all calls)."""
-        batch, calls = self._prepare(data, greedy)
-        futures = [self._loop.submit(call) for call in calls]
+        batch, groups = self._prepare(data, greedy)
+        futures = [self._loop.submit(call) for _, call in groups]
         try:
-            async for row, result in finished_rows(futures):
-                yield row, self._output(batch, [row], [result])
+            async for group, results in finished_rows(futures):
+                for row, result in enumerate(results, start=groups[group][0]):
+                    yield row, self._output(batch, [row], [result])
         finally:
             for future in futures:
                 future.cancel()
@@ -213,8 +214,8 @@ class ServerGeneration(GenerationInterface):
         """Counters of this backend's HTTP requests (``requests``, ``retries``,
         ``failed_rows``, ``score_requests``: the follow-up requests its dialect sent to fill
         log-probabilities a reply lacked, llama.cpp's scoring requests) and each server's
-        outstanding and ``answered`` requests, by URL; ``joined``: the URLs of the servers that
-        take requests."""
+        ``outstanding`` and ``answered`` completions (rows; a request for a prompt's samples
+        counts each), by URL; ``joined``: the URLs of the servers that take requests."""
         servers = {s.url: s.outstanding for s in self._client.router.servers}
         router = self._client.router
         answered = {s.url: s.answered for s in router.servers}
@@ -234,7 +235,16 @@ class ServerGeneration(GenerationInterface):
 
     def _prepare(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
-    ) -> tuple[BatchedDataDict[GenerationDatumSpec], list[Coroutine[Any, Any, SampleResult]]]:
+    ) -> tuple[
+        BatchedDataDict[GenerationDatumSpec],
+        list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]],
+    ]:  # fmt: skip
+        """The batch's columns and, for each group of rows sent together, its first row
+        and the call that gives the group's results in row order: consecutive text rows
+        with the same prompt, budget and stop strings (a prompt's samples) go as one
+        request for several completions where a server takes them (``ServerSlot.parallel``,
+        llama.cpp's slots), each row with its own seed, so each row gets the tokens a
+        request of its own would give."""
         check_generation_input(data, self.vocab_size)
         images = self._row_images(data)
         batch = generation_columns(data)
@@ -244,15 +254,33 @@ class ServerGeneration(GenerationInterface):
         sampling = Sampling(
             self.config.temperature, self.config.top_p, self.config.top_k, greedy=greedy
         )
-        calls = []
-        for row, (ids, length, budget, stop, key) in enumerate(
-            zip(batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops, keys)
+        limit = self._client.router.most_parallel()
+        groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
+        first, group = 0, None
+        for row, (ids, length, budget, stop) in enumerate(
+            zip(batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops)
         ):
             prompt = ids[:length].tolist()
             media = images(row, prompt) if images is not None else None
             request = GenerationRequest(prompt, budget, stop, self._next_seed(), media)
-            calls.append(self._client.generate(request, sampling, key))
-        return batch, calls
+            if (
+                group is not None
+                and row - first < limit
+                and _same_prompt(group, request, row - first)
+            ):
+                continue
+            if group is not None:
+                groups.append((first, self._group_call(group, first, row, sampling, keys)))
+            first, group = row, request
+        if group is not None:
+            groups.append((first, self._group_call(group, first, len(budgets), sampling, keys)))
+        return batch, groups
+
+    def _group_call(
+        self, request: GenerationRequest, start: int, stop: int, sampling: Sampling,
+        keys: list[Any],
+    ) -> Coroutine[Any, Any, list[SampleResult]]:  # fmt: skip
+        return self._client.generate_group(request, stop - start, sampling, keys[start:stop])
 
     def _row_images(self, data: BatchedDataDict[GenerationDatumSpec]) -> Any:
         """A function of (row, prompt) giving the row's request images, or None when the
@@ -349,6 +377,21 @@ class ServerGeneration(GenerationInterface):
             self._client, _probe_token(self.tokenizer), vision, self.config.tokenizer
         )
         return await self._fleet.start(self.config.startup_timeout_s)
+
+
+def _same_prompt(first: GenerationRequest, request: GenerationRequest, j: int) -> bool:
+    """Whether ``request`` is completion ``j`` of a group that starts with ``first``: same
+    text prompt, budget and stop strings, and seed ``first.seed + j`` (or both unseeded)."""
+    if first.images is not None or request.images is not None:
+        return False
+    if first.seed is None or request.seed is None:
+        seeded = first.seed is None and request.seed is None
+    else:
+        seeded = request.seed == first.seed + j
+    return (
+        seeded and request.budget == first.budget and request.stops == first.stops
+        and request.prompt == first.prompt
+    )  # fmt: skip
 
 
 def _pad_id(tokenizer: Any) -> int:

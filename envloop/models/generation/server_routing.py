@@ -8,7 +8,9 @@ The set-aside doubles with each consecutive failure up to a minute, counting onl
 of requests that end after it has passed: when a server dies with a thousand requests open,
 they all fail within moments and count as one failure (the server is set aside for
 ``base_set_aside_s``), so a server restarted a second later is used again about a second
-later, not a minute. Only servers that have joined
+later, not a minute. A request for ``need`` completions at once (a group of samples,
+:meth:`ServerClient.generate_group`) goes only to a server that takes that many
+(``ServerSlot.parallel``). Only servers that have joined
 (answered their probe request, :mod:`server_fleet`) get requests. Pure bookkeeping, no I/O:
 one event loop owns a :class:`ServerRouter`.
 """
@@ -29,18 +31,23 @@ MAX_DOUBLINGS = 64
 before; ``2.0 ** n`` itself would overflow a float past n = 1023)."""
 
 
+class NoServerTakes(LookupError):
+    """No joined server takes the completions one request asks for (``args[0]``)."""
+
+
 @dataclass(eq=False)
 class ServerSlot:
     """One server and what the router knows of it (``media``: what it said about image
     input at start-up, None when not asked)."""
 
     url: str
-    outstanding: int = 0
+    outstanding: int = 0  # completions asked of it and not answered yet
     failures: int = 0  # consecutive, each ending after the previous set-aside
     down_until: float = 0.0
     media: Any = None
     joined: bool = True  # answered its probe: requests may go to it
-    answered: int = 0  # requests it answered
+    answered: int = 0  # completions it answered (rows: several per grouped request)
+    parallel: int = 1  # completions one request may ask for (llama.cpp: its slots)
 
     def healthy(self, now: float) -> bool:
         return self.down_until <= now
@@ -81,26 +88,39 @@ class ServerRouter:
         server.joined, server.failures, server.down_until = True, 0, 0.0
         self._joined = [s for s in self.servers if s.joined]
 
-    def acquire(self, key: Hashable | None = None) -> ServerSlot:
-        """The server for a request of sample ``key`` (None: no sample affinity), counted
-        as outstanding until :meth:`release`."""
+    def acquire(
+        self, key: Hashable | None = None, *, need: int = 1, keys: Sequence[Hashable] = ()
+    ) -> ServerSlot:
+        """The server for a request of sample ``key`` (None: no sample affinity) asking for
+        ``need`` completions, counted as outstanding until :meth:`release`; the samples of
+        ``keys`` stick to it too. Raises :class:`NoServerTakes` when no joined server takes
+        ``need`` completions per request."""
         now = self.clock()
         server = self._sticky.get(key) if key is not None else None
-        if server is None or not server.healthy(now) or not server.joined:
-            server = self._least_outstanding(now)
-        if key is not None:
-            self._sticky[key] = server
-            self._sticky.move_to_end(key)
-            if len(self._sticky) > MAX_STICKY_SAMPLES:
-                self._sticky.popitem(last=False)
-        server.outstanding += 1
+        usable = server is not None and server.joined and server.parallel >= need
+        if server is None or not usable or not server.healthy(now):
+            server = self._least_outstanding(now, need)
+        if server is None:
+            raise NoServerTakes(need)
+        for sample in (key, *keys):
+            if sample is not None:
+                self._sticky[sample] = server
+                self._sticky.move_to_end(sample)
+        while len(self._sticky) > MAX_STICKY_SAMPLES:
+            self._sticky.popitem(last=False)
+        server.outstanding += need
         return server
 
-    def release(self, server: ServerSlot, *, ok: bool) -> None:
-        """A request to ``server`` ended: answered (``ok``), or failed to reach it."""
-        server.outstanding -= 1
+    def most_parallel(self) -> int:
+        """The most completions a joined server takes per request (1 with none joined)."""
+        return max((s.parallel for s in self._joined), default=1)
+
+    def release(self, server: ServerSlot, *, ok: bool, n: int = 1) -> None:
+        """A request to ``server`` for ``n`` completions ended: answered (``ok``), or failed
+        to reach it."""
+        server.outstanding -= n
         if ok:
-            server.answered += 1
+            server.answered += n
             server.failures, server.down_until = 0, 0.0
             return
         now = self.clock()
@@ -111,10 +131,16 @@ class ServerRouter:
         wait = min(self.base_set_aside_s * 2.0**doublings, MAX_SET_ASIDE_S)
         server.down_until = now + wait
 
-    def _least_outstanding(self, now: float) -> ServerSlot:
+    def _least_outstanding(self, now: float, need: int = 1) -> ServerSlot | None:
         if not self._joined:
             raise RuntimeError("no server has joined the routing (none answered its probe)")
-        healthy = [s for s in self._joined if s.healthy(now)]
-        if healthy:
-            return min(healthy, key=lambda s: s.outstanding)
-        return min(self._joined, key=lambda s: s.down_until)  # the one back soonest
+        able = self._joined if need == 1 else [s for s in self._joined if s.parallel >= need]
+        if not able:
+            return None
+        best: ServerSlot | None = None
+        for server in able:  # the healthy one with the fewest outstanding
+            if server.down_until <= now and (best is None or server.outstanding < best.outstanding):
+                best = server
+        if best is not None:
+            return best
+        return min(able, key=lambda s: s.down_until)  # the one back soonest

@@ -156,13 +156,29 @@ class ServerDialect:
         what the dialect needs."""
         raise NotImplementedError
 
+    def group_body(
+        self, request: GenerationRequest, n: int, sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The body of one request for ``n`` completions of ``request`` (a text prompt),
+        completion ``j`` sampled with seed ``request.seed + j`` exactly as a request of its
+        own with that seed would be. Only called where :meth:`start` set the server's
+        ``parallel`` to ``n`` or more (it stays 1 for a dialect that cannot)."""
+        raise NotImplementedError(f"the {self.name} dialect sends one completion per request")
+
+    def parse_group(self, payload: Any, n: int) -> list[Reply]:
+        """The ``n`` replies in the answer to a :meth:`group_body` request, completion
+        ``j`` at index ``j``; raises :class:`MalformedReply` when it lacks one."""
+        raise NotImplementedError(f"the {self.name} dialect sends one completion per request")
+
     def probe_body(self, token_id: int) -> dict[str, Any]:
         """A one-token request that shows whether the server gives token ids back."""
         return self.body(GenerationRequest([token_id], 1, None, 0), _PROBE_SAMPLING)
 
     async def start(self, server: ServerSlot, get_json: GetJson, vision: bool) -> None:
         """Ask ``server`` at start-up, before its probe request, what later requests need
-        (``vision``: the served model takes images); nothing by default."""
+        (``vision``: the served model takes images, into ``server.media``; the completions
+        one request may ask for, into ``server.parallel``); nothing by default."""
 
     def images_refused_by(self, media: ServerMedia | None) -> str | None:
         """Why a server that said ``media`` at start-up cannot take images, and the fix

@@ -18,6 +18,7 @@ from envloop.models.generation.server_dialects.interfaces import (
     GetJson,
     MalformedReply,
     Reply,
+    RetryableFailure,
     Sampling,
     ServerDialect,
     ServerMedia,
@@ -74,10 +75,19 @@ class LlamaCppDialect(ServerDialect):
     )
 
     async def start(self, server: ServerSlot, get_json: GetJson, vision: bool) -> None:
-        """For a model that takes images, what ``server`` says of image input
-        (``GET /props``) into ``server.media``."""
+        """What ``server`` says in ``GET /props``: its slots (``total_slots``) into
+        ``server.parallel``, and for a model that takes images what it says of image input
+        into ``server.media``. A text model's server without ``/props`` keeps one
+        completion per request."""
+        try:
+            props = await get_json(server.url + self.media_path)
+        except RetryableFailure:
+            if vision:
+                raise
+            return  # not up yet (its probe fails too and start-up asks again), or no /props
+        server.parallel = self.parse_slots(props)
         if vision:
-            server.media = self.parse_media(await get_json(server.url + self.media_path))
+            server.media = self.parse_media(props)
 
     def images_refused_by(self, media: ServerMedia | None) -> str | None:
         if media is None or media.vision:
@@ -103,17 +113,50 @@ class LlamaCppDialect(ServerDialect):
         body["seed"] = _LLAMA_RANDOM_SEED if request.seed is None else request.seed % 2**32
         return body
 
+    def group_body(
+        self, request: GenerationRequest, n: int, sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`body` with ``n_cmpl`` = ``n``: llama-server processes the prompt once
+        and samples completion ``j`` in a slot of its own with seed ``seed + j`` (its child
+        tasks); ``n`` must not exceed its slots (``--parallel``)."""
+        if request.images is not None:
+            raise ValueError("a llama.cpp request for several completions takes no images")
+        return {**self.body(request, sampling, media), "n_cmpl": n}
+
+    def parse_group(self, payload: Any, n: int) -> list[Reply]:
+        """The answer to :meth:`group_body` is a list of ``n`` answers, ordered by their
+        ``index`` (0: the seed's, j: seed + j)."""
+        if not isinstance(payload, list) or len(payload) != n:
+            got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
+            raise MalformedReply(f"asked for {n} completions, got {got}")
+        indexes = [item.get("index", j) if isinstance(item, dict) else j
+                   for j, item in enumerate(payload)]  # fmt: skip
+        if indexes != list(range(n)):
+            raise MalformedReply(f"completions out of order: index {indexes}")
+        return [self.parse(item) for item in payload]
+
+    @staticmethod
+    def parse_slots(payload: Any) -> int:
+        """The slots ``GET /props`` lists (``total_slots``); 1 when it lists none."""
+        slots = count(payload.get("total_slots")) if isinstance(payload, dict) else None
+        return slots if slots is not None and slots > 0 else 1
+
     def parse(self, payload: Any) -> Reply:
         tokens = field(payload, "tokens", list)
         entries = payload.get("completion_probabilities") or []
         ids = [entry.get("id") if isinstance(entry, dict) else None for entry in entries]
-        earliest, latest = _match_left(tokens, ids), _match_right(tokens, ids)
-        if earliest is None or latest is None:
-            raise MalformedReply("completion_probabilities do not follow the order of tokens")
-        logprobs: list[float | None] = [None] * len(tokens)
-        for entry, first, last in zip(entries, earliest, latest):
-            if first == last:  # else the entry could belong to more than one repeated token
-                logprobs[first] = _entry_logprob(entry)
+        logprobs: list[float | None]
+        if ids == tokens and None not in ids:  # one entry per token, each its own token's
+            logprobs = [_entry_logprob(entry) for entry in entries]
+        else:
+            earliest, latest = _match_left(tokens, ids), _match_right(tokens, ids)
+            if earliest is None or latest is None:
+                raise MalformedReply("completion_probabilities do not follow the order of tokens")
+            logprobs = [None] * len(tokens)
+            for entry, first, last in zip(entries, earliest, latest):
+                if first == last:  # else the entry could belong to several repeated tokens
+                    logprobs[first] = _entry_logprob(entry)
         stop_type = payload.get("stop_type")
         finish = _LLAMA_FINISH.get(stop_type)
         if finish is None:
@@ -297,6 +340,8 @@ def _entry_logprob(entry: dict[str, Any]) -> float:
     if "logprob" in entry:
         return float(entry["logprob"])
     prob = entry.get("prob")
+    if prob.__class__ is float and 0 < prob <= 1:  # the usual case, checked first
+        return math.log(prob)
     if not isinstance(prob, (int, float)) or not 0 < prob <= 1:
         raise MalformedReply(f"probability {prob!r} of token {entry.get('id')} is not in (0, 1]")
     return math.log(prob)

@@ -389,3 +389,72 @@ def test_each_server_gets_at_most_max_requests_per_server_at_once():
     assert results == [GENERATED] * rows
     assert [len(s.bodies) for s in servers] == [rows // 2] * 2  # the rest waited in the client
     assert max(s.peak for s in servers) <= per_server
+
+
+def group_answer(n: int) -> Answer:
+    """llama-server's answer to a request for ``n`` completions: completion ``j`` gives the
+    tokens ``[10 + j, 2]``."""
+
+    async def answer(body: dict[str, Any]) -> web.Response:
+        answers = [
+            {**completion([10 + j + body["seed"] - REQUEST.seed, 2], [0.5, 1.0]), "index": j}
+            for j in range(body.get("n_cmpl", 1))
+        ]
+        return web.json_response(answers if len(answers) > 1 else answers[0])
+
+    return answer
+
+
+def run_group(
+    n: int, parallel: int, *script: Answer
+) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
+    """``n`` rows of :data:`REQUEST` as one group against a server answering with
+    ``script`` and taking ``parallel`` completions per request."""
+
+    async def scenario() -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
+        async with serving(*script) as server:
+            client = make_client(server.url)
+            client.router.servers[0].parallel = parallel
+            await client.open()
+            try:
+                keys = [f"sample-{j}" for j in range(n)]
+                return await client.generate_group(REQUEST, n, SAMPLED, keys), client, server
+            finally:
+                await client.close()
+
+    return asyncio.run(scenario())
+
+
+def row_result(j: int) -> SampleResult:
+    return SampleResult([10 + j, 2], [math.log(0.5), 0.0], truncated=False, versions=[0, 0])
+
+
+def test_a_group_of_rows_goes_as_one_request_for_as_many_completions():
+    results, client, server = run_group(3, 4, group_answer(3))
+    assert results == [row_result(j) for j in range(3)]
+    assert client.counts == counts(requests=1, retries=0)
+    assert server.bodies == [LlamaCppDialect().group_body(REQUEST, 3, SAMPLED)]
+
+
+def test_a_group_larger_than_the_servers_slots_is_split_keeping_each_rows_seed():
+    results, client, server = run_group(5, 2, group_answer(2))
+    assert results == [row_result(j) for j in range(5)]
+    sent = sorted((body["seed"], body.get("n_cmpl", 1)) for body in server.bodies)
+    assert sent == [(5, 2), (7, 1), (8, 2)]  # halves: 2 + 3, then 1 + 2
+    assert client.counts["requests"] == 3
+
+
+def test_a_group_retries_together_and_fails_together():
+    results, client, _ = run_group(2, 2, unavailable, group_answer(2))
+    assert results == [row_result(0), row_result(1)]
+    assert client.counts == counts(requests=2, retries=1)
+    results, client, _ = run_group(2, 2, too_long)
+    assert [r.tokens for r in results] == [[], []]
+    assert all("rejected the request: HTTP 400" in str(r.error) for r in results)
+    assert client.counts == counts(requests=1, retries=0, failed_rows=2)
+
+
+def test_a_group_answer_with_too_few_completions_is_retried():
+    results, client, _ = run_group(2, 2, answer_ok, group_answer(2))
+    assert results == [row_result(0), row_result(1)]
+    assert client.counts == counts(requests=2, retries=1)

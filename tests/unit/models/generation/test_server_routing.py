@@ -191,3 +191,18 @@ def test_outstanding_counts_return_to_zero_after_release(key):
     for server in servers:
         router.release(server, ok=True)
     assert [s.outstanding for s in router.servers] == [0, 0, 0]
+
+
+def test_a_request_for_several_completions_goes_to_a_server_that_takes_them():
+    router, _ = make_router()
+    router.servers[1].parallel = 4  # b
+    router.servers[2].parallel = 2  # c
+    assert router.most_parallel() == 4
+    group = router.acquire("sample-0", need=3, keys=["sample-1", "sample-2"])
+    assert group.url == "http://b"  # the only one taking 3, though busier after this
+    assert url_of(router, "sample-2") == "http://b"  # the group's samples stick to it
+    assert router.acquire(need=2).url == "http://c"  # b has 3 completions outstanding, c 0
+    with pytest.raises(server_routing.NoServerTakes):
+        router.acquire("sample-0", need=5)
+    router.leave(router.servers[1])
+    assert router.most_parallel() == 2

@@ -370,10 +370,11 @@ LLAMA_REFUSAL = (
 
 def test_llamacpp_refuses_before_sending_anything(tiny_policy_dir):
     with serving("llamacpp", {}) as servers, policy_on(servers, tiny_policy_dir) as policy:
+        assert servers[0].requests == [("GET", "/props", None)]  # start-up: its slots
         with pytest.raises(NotImplementedError) as raised:
             policy.update_weights(CHECKPOINT)
         assert str(raised.value) == f"update_weights ({servers[0].url}): {LLAMA_REFUSAL}."
-        assert servers[0].log == [] and servers[0].requests == []
+        assert servers[0].log == [] and servers[0].requests == [("GET", "/props", None)]
         assert policy.policy_version == 0
     with pytest.raises(NotImplementedError, match="cannot reload weights"):
         LlamaCppDialect().weight_reload(CHECKPOINT, 1)

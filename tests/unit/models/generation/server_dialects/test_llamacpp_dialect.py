@@ -20,6 +20,7 @@ from envloop.models.generation.server_dialects import (
     LlamaCppDialect,
     MalformedReply,
     Reply,
+    RetryableFailure,
     ServerMedia,
 )
 from envloop.models.generation.server_routing import ServerSlot
@@ -318,10 +319,13 @@ def test_llamacpp_parse_score_of_a_draw_that_ended_mid_character_is_none():
     assert LlamaCppDialect.parse_score(payload, 158) is None
 
 
-PROPS = {"modalities": {"vision": True, "audio": False}, "media_marker": "<__media__>"}
+PROPS = {
+    "modalities": {"vision": True, "audio": False}, "media_marker": "<__media__>",
+    "total_slots": 4,
+}  # fmt: skip
 
 
-def test_llamacpp_start_reads_the_media_marker_only_for_a_model_that_takes_images():
+def test_llamacpp_start_reads_the_slots_and_the_media_marker_only_for_a_model_with_images():
     asked = []
 
     async def get_json(url: str) -> Any:
@@ -331,9 +335,51 @@ def test_llamacpp_start_reads_the_media_marker_only_for_a_model_that_takes_image
     text_server, vision_server = ServerSlot("http://a"), ServerSlot("http://b")
     asyncio.run(LlamaCppDialect().start(text_server, get_json, vision=False))
     asyncio.run(LlamaCppDialect().start(vision_server, get_json, vision=True))
-    assert asked == ["http://b/props"]
-    assert text_server.media is None
-    assert vision_server.media == ServerMedia(True, "<__media__>")
+    assert asked == ["http://a/props", "http://b/props"]
+    assert (text_server.media, text_server.parallel) == (None, 4)
+    assert (vision_server.media, vision_server.parallel) == (ServerMedia(True, "<__media__>"), 4)
+
+
+def test_llamacpp_start_without_props_keeps_one_completion_per_request_for_text_only():
+    async def no_props(url: str) -> Any:
+        raise RetryableFailure(f"GET {url}: HTTP 404")
+
+    server = ServerSlot("http://a")
+    asyncio.run(LlamaCppDialect().start(server, no_props, vision=False))
+    assert (server.media, server.parallel) == (None, 1)
+    with pytest.raises(RetryableFailure, match="HTTP 404"):
+        asyncio.run(LlamaCppDialect().start(ServerSlot("http://b"), no_props, vision=True))
+
+
+@pytest.mark.parametrize(
+    ("props", "slots"), [({"total_slots": 8}, 8), ({}, 1), ({"total_slots": 0}, 1), ([], 1)]
+)
+def test_llamacpp_parse_slots(props, slots):
+    assert LlamaCppDialect.parse_slots(props) == slots
+
+
+def test_llamacpp_group_body_asks_for_n_completions_of_the_rows_body():
+    dialect = LlamaCppDialect()
+    body = dialect.group_body(REQUEST, 3, SAMPLED)
+    assert body == {**dialect.body(REQUEST, SAMPLED), "n_cmpl": 3}
+    assert body["seed"] == REQUEST.seed  # completion j: seed + j, llama-server's child tasks
+
+
+def test_llamacpp_parse_group_reads_the_answers_in_index_order():
+    answers = [
+        {**llama_answer([7 + j], [entry(7 + j, "x", 0.5)], "limit", "x"), "index": j}
+        for j in range(3)
+    ]
+    replies = LlamaCppDialect().parse_group(answers, 3)
+    assert [(r.tokens, r.logprobs, r.finish) for r in replies] == [
+        ([7 + j], [math.log(0.5)], "length") for j in range(3)
+    ]
+    with pytest.raises(MalformedReply, match="asked for 3 completions, got 2 answers"):
+        LlamaCppDialect().parse_group(answers[:2], 3)
+    with pytest.raises(MalformedReply, match="asked for 3 completions, got one answer"):
+        LlamaCppDialect().parse_group(answers[0], 3)
+    with pytest.raises(MalformedReply, match=r"out of order: index \[1, 0, 2\]"):
+        LlamaCppDialect().parse_group([answers[1], answers[0], answers[2]], 3)
 
 
 def test_llamacpp_refuses_images_only_for_a_server_without_a_vision_projector():
