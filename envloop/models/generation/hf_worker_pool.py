@@ -102,16 +102,31 @@ class HfWorkerPool:
         return self._policy_version
 
     def prepare_for_generation(self) -> bool:
-        """Put every worker's model in eval mode."""
-        import ray
-
-        return all(ray.get([w.prepare_for_generation.remote() for w in self.workers]))
+        """Put every worker's model in eval mode (replacing a lost worker)."""
+        return all(self._call_all("prepare_for_generation"))
 
     def worker_nodes(self) -> list[str]:
-        """The Ray node id (hex) each worker runs on, in worker order."""
+        """The Ray node id (hex) each worker runs on, in worker order (a lost worker's
+        replacement's)."""
+        return [str(node) for node in self._call_all("__ray_call__", node_of)]
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` of every worker, in worker order; a lost worker is replaced
+        and its replacement answers."""
         import ray
 
-        return list(ray.get([w.__ray_call__.remote(node_of) for w in self.workers]))
+        workers = list(self.workers)
+        refs = [getattr(w, method).remote(*args) for w in workers]
+        results = []
+        for rank, (worker, ref) in enumerate(zip(workers, refs)):
+            try:
+                results.append(ray.get(ref))
+            except Exception as error:
+                if not worker_lost(error):
+                    raise
+                replacement = self._replace(rank, worker)
+                results.append(ray.get(getattr(replacement, method).remote(*args)))
+        return results
 
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool
@@ -375,10 +390,9 @@ class HfWorkerPool:
         return ray.put({key: tensor.detach().cpu() for key, tensor in state.items()})
 
     def decode_stats(self) -> list[dict[str, int]]:
-        """Each worker's decode counters, in worker order."""
-        import ray
-
-        per_worker = ray.get([w.decode_stats.remote() for w in self.workers])
+        """Each worker's decode counters, in worker order (a lost worker's replacement's
+        start at 0)."""
+        per_worker = self._call_all("decode_stats")
         return [stats for worker_stats in per_worker for stats in worker_stats]
 
     def shutdown(self) -> None:

@@ -130,6 +130,12 @@ def test_a_killed_worker_is_replaced_with_the_current_weights_and_its_rows_regen
         again = gen.generate(batch, greedy=True)
         assert all(set(generated(again, row)[1]) == {2} for row in range(4))
 
+        # A worker that died idle (between rollouts) is replaced by the next call on it.
+        lost = gen.engine.workers[0]
+        os.kill(ray.get(lost.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        assert gen.prepare_for_generation() and gen.engine.workers[0] is not lost
+        assert served_versions(ray, gen) == [2, 2] and len(gen.decode_stats()) == 2
+
         # A row whose worker is lost more often than worker_max_retries allows fails alone.
         gen.engine.config = gen.engine.config.model_copy(update={"worker_max_retries": 0})
         lost = gen.engine.workers[1]
