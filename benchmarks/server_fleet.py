@@ -80,6 +80,12 @@ class ClientRun:
     requests: int
 
 
+def prompts_for(in_flight: int, group: int) -> list[list[int]]:
+    """One prompt per ``group`` rows: :data:`PROMPT` shifted by the prompt's number, within
+    the bundled policy's vocabulary."""
+    return [[(p + g) % 400 for p in PROMPT] for g in range(0, in_flight, group)]
+
+
 async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> ClientRun:
     """``in_flight`` rows at once: with ``group`` 1 each a prompt of its own (one request
     each), else samples of prompts, ``group`` each, sent as one request per prompt."""
@@ -90,7 +96,7 @@ async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> Clien
     await client.open()
     for server in client.router.servers:  # what start-up asks: the slots in /props
         await client.start(server, vision=False)
-    prompts = [[p + i % 1000 for p in PROMPT] for i in range(0, in_flight, group)]
+    prompts = prompts_for(in_flight, group)
     if group == 1:
         calls = [
             client.generate(GenerationRequest(prompt, REPLY_TOKENS, None, n), SAMPLING, key=n)
@@ -116,30 +122,65 @@ async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> Clien
     return ClientRun(len(results), cpu, collector.seconds, wall, failed, requests)
 
 
+def generate_at_once(urls: list[str], in_flight: int, group: int) -> ClientRun:
+    """``in_flight`` rows, samples of prompts ``group`` each, through
+    ``ServerGeneration.generate`` (one call: input tensors in, output tensors out)."""
+    backend = ServerGeneration(
+        {"base_urls": urls, "dialect": "llamacpp", "tokenizer": POLICY,
+         "max_new_tokens": REPLY_TOKENS, "max_concurrent_requests": in_flight}
+    )  # fmt: skip
+    prompts = prompts_for(in_flight, group)
+    rows = [prompt for prompt in prompts for _ in range(group)]
+    batch = BatchedDataDict(
+        input_ids=torch.tensor(rows), input_lengths=torch.tensor([len(PROMPT)] * len(rows))
+    )
+    try:
+        gc.collect()
+        with GcTimer() as collector:
+            cpu, wall = time.process_time(), time.perf_counter()
+            out = backend.generate(batch)
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        requests = backend.request_stats()["requests"]
+    finally:
+        backend.shutdown()
+    lengths = out["generation_lengths"].tolist()
+    failed = sum(
+        e is not None or n != REPLY_TOKENS for e, n in zip(out["generation_error"], lengths)
+    )
+    return ClientRun(len(rows), cpu, collector.seconds, wall, failed, requests)
+
+
 def client_section(loads: list[int], group: int) -> list[str]:
     lines = [
         "Client CPU per row: one `ServerClient` over two stand-in llama.cpp servers "
         f"(other processes, {group} slots each), `in_flight` rows sent at once, "
         f"{len(PROMPT)}-token prompts, {REPLY_TOKENS} tokens back per row, server latency "
         f"in_flight / 1000 s; each row a prompt of its own (one request per row), or "
-        f"samples of prompts, {group} each (one request per prompt).",
+        f"samples of prompts, {group} each (one request per prompt), through `ServerClient` "
+        "and through `ServerGeneration.generate` (tensors in and out, the client's thread "
+        "included).",
         "",
-        "| in flight (rows) | rows per request | HTTP requests | client CPU µs/row "
+        "| in flight (rows) | through | rows per request | HTTP requests | client CPU µs/row "
         "| of which cyclic GC | without GC | wall s | failed | load before |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for in_flight in loads:
         latency = max(0.1, in_flight / 1000)
         with echo_server(latency, group) as first, echo_server(latency, group) as second:
             asyncio.run(send_at_once([first, second], 64))  # warm-up
-            for per_request in (1, group):
+            for through, per_request in (("client", 1), ("client", group), ("backend", group)):
                 load = load_avg().split()[0]
-                run = asyncio.run(send_at_once([first, second], in_flight, per_request))
+                if through == "client":
+                    run = asyncio.run(send_at_once([first, second], in_flight, per_request))
+                else:
+                    run = generate_at_once([first, second], in_flight, per_request)
                 us = 1e6 / run.in_flight
+                name = "`ServerClient`" if through == "client" else "`ServerGeneration`"
                 lines.append(
-                    f"| {in_flight:,} | {per_request} | {run.requests:,} | {run.cpu_s * us:,.0f} "
-                    f"| {run.gc_s * us:,.0f} | {(run.cpu_s - run.gc_s) * us:,.0f} "
-                    f"| {run.wall_s:.1f} | {run.failed} | {load} |"
+                    f"| {in_flight:,} | {name} | {per_request} | {run.requests:,} "
+                    f"| {run.cpu_s * us:,.0f} | {run.gc_s * us:,.0f} "
+                    f"| {(run.cpu_s - run.gc_s) * us:,.0f} | {run.wall_s:.1f} | {run.failed} "
+                    f"| {load} |"
                 )
                 print(lines[-1], file=sys.stderr, flush=True)  # progress
     return lines

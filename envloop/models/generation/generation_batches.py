@@ -89,23 +89,21 @@ def build_output(
     gen_lengths = [len(r.tokens) for r in results]
     total = [p + g for p, g in zip(prompt_lengths, gen_lengths)]
     width = max([input_ids.shape[1], *total])
-    output_ids = torch.full((len(results), width), pad_id, dtype=torch.long)
-    logprobs = torch.zeros((len(results), width), dtype=torch.float32)
-    versions = torch.zeros((len(results), width), dtype=torch.int32)
-    for row, (result, start) in enumerate(zip(results, prompt_lengths)):
-        output_ids[row, :start] = input_ids[row, :start].cpu()
-        end = start + len(result.tokens)
-        output_ids[row, start:end] = torch.tensor(result.tokens, dtype=torch.long)
-        logprobs[row, start:end] = torch.tensor(result.logprobs, dtype=torch.float32)
-        if result.versions:
-            versions[row, start:end] = torch.tensor(result.versions, dtype=torch.int32)
+    ids, logprobs, versions = [], [], []  # rows as lists: one tensor per column, not per row
+    for prompt, result, start, end in zip(input_ids.tolist(), results, prompt_lengths, total):
+        pad = width - end
+        ids.append(prompt[:start] + result.tokens + [pad_id] * pad)
+        logprobs.append([0.0] * start + result.logprobs + [0.0] * pad)
+        own = result.versions or [0] * len(result.tokens)
+        versions.append([0] * start + own + [0] * pad)
+    shape = (len(results), width)  # also for no rows
     return BatchedDataDict(
-        output_ids=output_ids,
+        output_ids=torch.tensor(ids, dtype=torch.long).reshape(shape),
         generation_lengths=torch.tensor(gen_lengths, dtype=torch.long),
         unpadded_sequence_lengths=torch.tensor(total, dtype=torch.long),
-        logprobs=logprobs,
+        logprobs=torch.tensor(logprobs, dtype=torch.float32).reshape(shape),
         truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
-        policy_versions=versions,
+        policy_versions=torch.tensor(versions, dtype=torch.int32).reshape(shape),
     )
 
 

@@ -104,6 +104,8 @@ class ServerGeneration(GenerationInterface):
             tokenizes image prompts with it), None for a text-only model.
     """
 
+    reads_images = True  # sends the rows' PIL images, checked against image_grid_thw
+
     def __init__(self, config: ServerGenerationConfig | Mapping[str, Any]) -> None:
         from transformers import AutoTokenizer
 
@@ -258,9 +260,9 @@ class ServerGeneration(GenerationInterface):
         groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
         first, group = 0, None
         for row, (ids, length, budget, stop) in enumerate(
-            zip(batch["input_ids"], batch["input_lengths"].tolist(), budgets, stops)
-        ):
-            prompt = ids[:length].tolist()
+            zip(batch["input_ids"].tolist(), batch["input_lengths"].tolist(), budgets, stops)
+        ):  # the tensors as lists once per batch, not per row
+            prompt = ids[:length]
             media = images(row, prompt) if images is not None else None
             request = GenerationRequest(prompt, budget, stop, self._next_seed(), media)
             if (
