@@ -69,6 +69,7 @@ class RunJournal:
         self.offsets: dict[int, int] = {}  # sample id -> offset of its line in records.jsonl
         self.batches: list[tuple[dict[str, Any], int]] = []  # (metrics, samples) per call
         self.images: set[str] = set()  # image files written and fsynced
+        self.write_lock = threading.Lock()  # held while a write is under way
         self._records: IO[bytes] | None = None
         self._ledger: IO[bytes] | None = None
         self._batches: IO[bytes] | None = None
@@ -144,6 +145,10 @@ class RunJournal:
     def add(self, *records: Mapping[str, Any]) -> None:
         """Record finished samples (durable when this returns): their new images, then
         their record lines (one fsync), then their ids in the ledger (one fsync)."""
+        with self.write_lock:
+            self._add(records)
+
+    def _add(self, records: tuple[Mapping[str, Any], ...]) -> None:
         assert self._records is not None and self._ledger is not None, "journal not open"
         lines, samples = bytearray(), []
         offset = self._records.seek(0, os.SEEK_END)
@@ -169,7 +174,8 @@ class RunJournal:
         """Record the rollout metrics of a rollout call of ``size`` samples that ended."""
         assert self._batches is not None, "journal not open"
         line = {"size": size, "metrics": jsonable(dict(metrics))}
-        _append(self._batches, json.dumps(line).encode() + b"\n")
+        with self.write_lock:
+            _append(self._batches, json.dumps(line).encode() + b"\n")
         self.batches.append((line["metrics"], size))
 
     def is_finished(self, sample: int) -> bool:

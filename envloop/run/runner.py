@@ -44,6 +44,7 @@ from envloop.run.config_sections import (
     ServerPolicyConfig,
 )
 from envloop.run.envs import env_metrics, start_envs, stop_envs, wait_until_ready
+from envloop.run.head_watch import HeadWatch
 from envloop.run.journal import JournalWriter, RunJournal, read_header
 from envloop.run.metrics import (
     TaskStats,
@@ -61,6 +62,7 @@ from envloop.run.termination import (
     RunStopped,
     admitting_work,
     reclaim_sigterm,
+    resume_command,
     stop_requested,
     stopping_calls,
 )
@@ -144,22 +146,26 @@ def _start_and_roll_out(
     policy: Policy | None = None
     envs: dict[str, Any] = {}
     try:
-        with startup.phase("envs_launch"):
-            envs = start_envs(config.envs)  # they start while the policy loads
-        with startup.phase("policy_load"):
-            policy = make_policy(config.policy)
-        _check_takes_images(config, policy)
-        batch = inputs.rollout_batch(config)  # tokenized before Ray started
-        with startup.phase("envs_wait"):
-            wait_until_ready(envs, config.envs, config.rollout.env_startup_timeout_s)
-        progress = Progress(batch.size, out, quiet, per_sample=config.rollout.mode == "async")
-        if isinstance(policy, HfGeneration):  # a live token count while it generates
-            policy.on_decode_step = progress.on_tokens
-        return _roll_out(config, policy, batch, envs, progress, journal, started, startup)
+        with HeadWatch(gcs_address(), journal, resume_command):  # a lost head ends the run
+            try:
+                with startup.phase("envs_launch"):
+                    envs = start_envs(config.envs)  # they start while the policy loads
+                with startup.phase("policy_load"):
+                    policy = make_policy(config.policy)
+                _check_takes_images(config, policy)
+                batch = inputs.rollout_batch(config)  # tokenized before Ray started
+                with startup.phase("envs_wait"):
+                    wait_until_ready(envs, config.envs, config.rollout.env_startup_timeout_s)
+                per_sample = config.rollout.mode == "async"
+                progress = Progress(batch.size, out, quiet, per_sample=per_sample)
+                if isinstance(policy, HfGeneration):  # a live token count while it generates
+                    policy.on_decode_step = progress.on_tokens
+                return _roll_out(config, policy, batch, envs, progress, journal, started, startup)
+            finally:
+                stop_envs(envs)
+                if policy is not None:
+                    policy.shutdown()
     finally:
-        stop_envs(envs)
-        if policy is not None:
-            policy.shutdown()
         if ray_started:
             import ray
 
@@ -191,6 +197,14 @@ def _check_takes_images(config: RunConfig, policy: Policy) -> None:
              f"(policy.backend: {config.policy.backend}) loaded without an image processor; "
              "name a vision-language model, or set data.columns.images: null"],
         )  # fmt: skip
+
+
+def gcs_address() -> str:
+    """``host:port`` of the GCS of the Ray session this process is connected to (on the
+    head node)."""
+    import ray
+
+    return str(ray.get_runtime_context().gcs_address)
 
 
 def start_ray(ray_config: RayConfig) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "RunTerminated",
     "admitting_work",
     "reclaim_sigterm",
+    "resume_command",
     "signals_stop_the_run",
     "stop_requested",
     "stopping_calls",
@@ -154,6 +155,12 @@ def stopping_calls(callback: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _State.on_stop.remove(callback)
+
+
+def resume_command() -> str | None:
+    """The command line that resumes the run (given to :func:`signals_stop_the_run`), or
+    None."""
+    return _State.resume_command
 
 
 def stop_requested() -> int | None:

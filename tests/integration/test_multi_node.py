@@ -1,25 +1,35 @@
 """Environment actors on a real three-node Ray cluster (head, node_a, node_b on this machine):
-where each lands, and a rollout that loses a worker node mid-step.
+where each lands, ``envloop run`` pointed at the cluster with ``ray.address``, a rollout that
+loses a worker node mid-step, and a run that loses the head node (then resumed).
 
 Each test drives the cluster from a driver process of its own (``init_ray(address=...)``
-through ``RAY_ADDRESS``), so the suite's local Ray session is untouched.
+through ``RAY_ADDRESS``, or ``envloop run`` with ``ray.address``), so the suite's local Ray
+session is untouched. The tests share one cluster and run in file order: the worker-node
+test leaves the head and one worker, and the head-node test, last, leaves none.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from envloop.run.head_watch import EXIT_STATUS
+from envloop.run.journal import RunJournal
+from envloop.run.outputs import read_rollouts
 from tests.fixtures.ray_cluster import (
     RayCluster,
     driver_output,
     driver_result,
     ray_cluster,
     start_driver,
+    start_envloop_run,
 )
+from tests.fixtures.resumable_runs import ledger, run_here, text_run_config, wait_for_samples
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 __all__ = ["ray_cluster"]
@@ -85,6 +95,51 @@ def test_env_actors_spread_over_nodes_or_pinned_to_one(ray_cluster: RayCluster):
     assert landed["pinned"] == ["node_b", "node_b"]
 
 
+def node_run_config(folder: Path, policy_dir: Path, placements: dict[str, str]) -> Path:
+    """An ``envloop run`` config of two prompts per task, each task's environment a
+    :class:`~tests.fixtures.node_envs.NodeEchoEnv` placed as ``placements[task]`` says (it
+    answers ``stepped on <node>``); returns its path."""
+    rows = [{"prompt": f"Say {i}.", "task": task} for task in placements for i in range(2)]
+    (folder / "prompts.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    config = {
+        "policy": {"model_name": str(policy_dir), "max_new_tokens": 4},
+        "data": {"path": str(folder / "prompts.jsonl")},
+        "envs": {task: {"name": "tests.fixtures.node_envs:NodeEchoEnv", "placement": placement}
+                 for task, placement in placements.items()},
+        "rollout": {"max_seq_len": 128, "max_turns": 1, "greedy": True},
+        "output": {"dir": str(folder / "run")},
+    }  # fmt: skip
+    (folder / "run.yaml").write_text(yaml.safe_dump(config))
+    return folder / "run.yaml"
+
+
+def test_envloop_run_on_the_cluster_places_each_task_as_configured(
+    ray_cluster: RayCluster, tmp_path: Path, untied_policy_dir: Path
+):
+    placements = {"on_a": "resource:node_a", "on_b": "resource:node_b"}
+    config = node_run_config(tmp_path, untied_policy_dir, placements)
+    process = start_envloop_run(ray_cluster, config, "-q", stderr=tmp_path / "stderr")
+    try:
+        out, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, out + (tmp_path / "stderr").read_text()
+    assert "Connecting to existing Ray cluster" in (tmp_path / "stderr").read_text()
+    rows = read_rollouts(tmp_path / "run")
+    replies = [
+        (row["task"], [m["content"] for m in row["messages"] if m["content"].startswith("stepped")])
+        for row in rows
+    ]
+    assert replies == [
+        ("on_a", ["stepped on node_a"]),
+        ("on_a", ["stepped on node_a"]),
+        ("on_b", ["stepped on node_b"]),
+        ("on_b", ["stepped on node_b"]),
+    ]
+    assert [row["total_reward"] for row in rows] == [1.0] * 4
+
+
 def test_a_worker_node_killed_mid_step_loses_no_sample(ray_cluster: RayCluster, tmp_path: Path):
     driver = start_driver(ray_cluster, _ROLLOUT.format(hold_dir=str(tmp_path)))
     try:
@@ -129,3 +184,46 @@ def _wait_for(driver, folder: Path, names: list[str], timeout_s: float = 240.0) 
             missing = [n for n in names if not (folder / n).exists()]
             raise AssertionError(f"{missing} did not appear in {folder} within {timeout_s} s")
         time.sleep(0.2)
+
+
+def test_the_head_node_lost_ends_the_run_resumably(
+    ray_cluster: RayCluster, tmp_path: Path, untied_policy_dir: Path, ray_session
+):
+    # Async, 12 samples, the environment on node_a; 5 and 6 wait on the gate. Once the
+    # other ten are recorded, the head is killed: the run must say so and stop, resumable,
+    # before Ray's own limit (25 s here: the run gives up after 15).
+    config = text_run_config(tmp_path, untied_policy_dir, "async", 12, hold={5, 6})
+    raw = yaml.safe_load(config.read_text())
+    raw["envs"]["talk"]["placement"] = "resource:node_a"
+    config.write_text(yaml.safe_dump(raw))
+    (tmp_path / "gate").touch()
+    env = {"RAY_gcs_rpc_server_reconnect_timeout_s": "25"}
+    process = start_envloop_run(ray_cluster, config, "-q", stderr=tmp_path / "stderr", env=env)
+    try:
+        wait_for_samples(tmp_path / "run", 10, process)
+        assert process.poll() is None, (tmp_path / "stderr").read_text()
+        ray_cluster.nodes["node_head"].kill()  # the GCS and the head's raylet, by pid
+        process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.communicate()
+    stderr = (tmp_path / "stderr").read_text()
+    assert process.returncode == EXIT_STATUS, stderr
+    lines = stderr.splitlines()
+    assert any(x.startswith("envloop run: lost the Ray head node: its GCS at ") for x in lines)
+    kept = f"envloop run: 10 of 12 samples finished, kept in {tmp_path / 'run'} (resumable;"
+    assert any(x.startswith(kept) for x in lines), stderr
+    command = f"envloop run {config} ray.address={ray_cluster.address} --quiet --resume"
+    assert lines[-1].endswith(f"then resume with: {command}"), stderr
+    assert "Traceback" not in stderr
+    assert sorted(ledger(tmp_path / "run")) == sorted(set(range(12)) - {5, 6})
+    recorded = {r["sample"]: r["messages"] for r in RunJournal.read(tmp_path / "run").records()}
+
+    (tmp_path / "gate").unlink()  # on the suite's local session, the environment placed there
+    status, out, err = run_here(config, "envs.talk.placement=default", "--quiet", "--resume")
+    assert status == 0, out + err
+    rows = read_rollouts(tmp_path / "run")
+    assert [row["sample"] for row in rows] == list(range(12))  # none missing, none twice
+    assert all(row["num_turns"] == 2 and row["error"] is None for row in rows)
+    assert {i: rows[i]["messages"] for i in recorded} == recorded  # kept as they were
