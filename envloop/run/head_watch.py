@@ -57,19 +57,19 @@ def give_up_after_s(environ: Mapping[str, str] | None = None) -> float:
 
 
 class HeadWatch:
-    """Watches the GCS at ``gcs_address`` (``host:port``) while the run writes ``journal``
-    (see the module docstring); ``resume_command`` (the command line that resumes, when
-    known) is printed when the head is lost. Use as a context manager; the watch ends with
-    the block."""
+    """Watches the GCS at ``gcs_address`` (``host:port``; None: nothing to watch) while the
+    run writes ``journal`` (see the module docstring); ``resume_command`` (the command line
+    that resumes, when known) is printed when the head is lost. Use as a context manager;
+    the watch ends with the block."""
 
     def __init__(
         self,
-        gcs_address: str,
+        gcs_address: str | None,
         journal: RunJournal,
         resume_command: Callable[[], str | None],
         give_up_after: float | None = None,
     ) -> None:
-        host, _, port = gcs_address.rpartition(":")
+        host, _, port = (gcs_address or ":0").rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.journal, self.resume_command = journal, resume_command
         self.give_up_after = give_up_after_s() if give_up_after is None else give_up_after
@@ -77,12 +77,14 @@ class HeadWatch:
         self._thread = threading.Thread(target=self._watch, name="envloop-head-watch", daemon=True)
 
     def __enter__(self) -> HeadWatch:
-        self._thread.start()
+        if self.port:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def answers(self) -> bool:
         """Whether the GCS accepts a TCP connection now."""

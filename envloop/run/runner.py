@@ -199,12 +199,16 @@ def _check_takes_images(config: RunConfig, policy: Policy) -> None:
         )  # fmt: skip
 
 
-def gcs_address() -> str:
+def gcs_address() -> str | None:
     """``host:port`` of the GCS of the Ray session this process is connected to (on the
-    head node)."""
+    head node); None when Ray does not say (a Ray Client connection, ``ray://``)."""
     import ray
 
-    return str(ray.get_runtime_context().gcs_address)
+    try:
+        address = ray.get_runtime_context().gcs_address
+    except Exception:
+        return None
+    return address if isinstance(address, str) and ":" in address else None
 
 
 def start_ray(ray_config: RayConfig) -> bool:

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import textwrap
 
-from envloop.run.head_watch import EXIT_STATUS, give_up_after_s
+from envloop.run.head_watch import EXIT_STATUS, HeadWatch, give_up_after_s
+from envloop.run.journal import RunJournal
 
 SCRIPT = textwrap.dedent(
     """
@@ -63,3 +64,10 @@ def test_the_watch_gives_up_ten_seconds_before_ray():
     assert give_up_after_s({"RAY_gcs_rpc_server_reconnect_timeout_s": "25"}) == 15.0
     assert give_up_after_s({"RAY_gcs_rpc_server_reconnect_timeout_s": "5"}) == 1.0
     assert give_up_after_s({"RAY_gcs_rpc_server_reconnect_timeout_s": "soon"}) == 50.0
+
+
+def test_without_a_gcs_address_nothing_is_watched(tmp_path):
+    journal = RunJournal.start(tmp_path, {"policy": {}}, "abc", total=1)
+    with HeadWatch(None, journal, lambda: None) as watch:
+        assert not watch._thread.is_alive()
+    journal.close()
