@@ -1,6 +1,6 @@
 """``HfGeneration`` worker actors on a real three-node Ray cluster (head, node_a, node_b on
-this machine): where each lands, and a rollout that loses the node of one of them in the
-middle of its generation.
+this machine): where each lands (``worker_placement: spread`` and ``resource:<name>``), and
+a rollout that loses the node of one of them in the middle of its generation.
 
 The test drives the cluster from a driver process of its own (``init_ray(address=...)``
 through ``RAY_ADDRESS``), so the suite's local Ray session is untouched.
@@ -70,6 +70,12 @@ gen = HfGeneration({{
     "max_new_tokens": 12, "micro_batch_size": 4, "cpu_threads": 1,
 }})
 placed = [names[node] for node in gen.worker_nodes()]
+pinned = HfGeneration({{
+    "model_name": model_dir, "num_workers": 2, "worker_placement": "resource:node_head",
+    "worker_num_cpus": 0, "cpu_threads": 1,
+}})
+pinned_to = [names[node] for node in pinned.worker_nodes()]
+pinned.shutdown()
 model = AutoModelForCausalLM.from_pretrained(model_dir)
 generator = torch.Generator().manual_seed(2)
 with torch.no_grad():
@@ -100,8 +106,8 @@ Path(hold_dir, "placed.json").write_text(json.dumps(placed))
 rows, metrics = rollout()
 served = ray.get([w.__ray_call__.remote(lambda e: e.policy_version) for w in gen.engine.workers])
 print("RESULT " + json.dumps({{
-    "version": version, "placed": placed, "undisturbed": undisturbed, "rows": rows,
-    "metrics": metrics, "after": [names.get(node) for node in gen.worker_nodes()],
+    "version": version, "placed": placed, "pinned": pinned_to, "undisturbed": undisturbed,
+    "rows": rows, "metrics": metrics, "after": [names.get(node) for node in gen.worker_nodes()],
     "served": served, "retries": gen.generation_retries,
 }}))
 gen.shutdown()
@@ -129,6 +135,7 @@ def test_a_node_lost_mid_generation_regenerates_its_workers_rows(
     # Spread, one CPU per worker and per node: the workers on two nodes, the replacement of
     # the lost one on the third, serving the weights of the update (version 1).
     assert len(set(placed)) == 2
+    assert result["pinned"] == ["node_head", "node_head"]  # resource:node_head
     assert result["after"][1 - rank] == placed[1 - rank]
     assert result["after"][rank] not in (lost, placed[1 - rank])
     assert result["served"] == [1, 1] and result["version"] == 1
