@@ -19,7 +19,7 @@ import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, RolloutStream
-from envloop.experience.rollout_state import RolloutState
+from envloop.experience.rollout_state import RolloutState, media_read_by
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["RolloutGroupResult", "group_metrics", "run_async_multi_turn_rollout_groups"]
@@ -57,19 +57,19 @@ async def run_async_multi_turn_rollout_groups(
     num_generations: int,
     max_rollout_turns: int = 999999,
     greedy: bool = False,
+    deduplicate_multimodal_data: bool = False,
     *,
     completion_order: bool = False,
-    deduplicate_multimodal_data: bool = False,
     **options: Any,
 ) -> AsyncIterator[RolloutGroupResult]:
     """Run ``input_batch`` (prompts repeated ``num_generations`` times in a row, as
     ``repeat_interleave`` lays them out) and yield each group's :class:`RolloutGroupResult`.
 
     Groups come in input order, each once it and all groups before it have finished; with
-    ``completion_order=True``, each as soon as its last member finishes. ``options`` are
-    those of ``run_async_multi_turn_rollout``. ``deduplicate_multimodal_data`` is accepted
-    for ported calls and changes nothing: the rollout shares each prompt's image inputs
-    among its generations either way.
+    ``completion_order=True``, each as soon as its last member finishes.
+    ``deduplicate_multimodal_data`` and ``options`` are those of
+    ``run_async_multi_turn_rollout`` (the policy is handed only the representation of each
+    sample's images it reads).
 
     Raises ``ValueError`` if ``num_generations`` is not a positive divisor of the batch.
 
@@ -77,7 +77,6 @@ async def run_async_multi_turn_rollout_groups(
     >>> inspect.isasyncgenfunction(run_async_multi_turn_rollout_groups)
     True
     """
-    del deduplicate_multimodal_data
     if not isinstance(num_generations, int) or num_generations < 1:
         raise ValueError(f"num_generations must be greater than zero, got {num_generations!r}.")
     if input_batch.size % num_generations:
@@ -88,8 +87,10 @@ async def run_async_multi_turn_rollout_groups(
         )
     stream = RolloutStream(
         policy_generation, input_batch, tokenizer, task_to_env, max_seq_len,
-        max_rollout_turns, greedy, **options,
+        max_rollout_turns, greedy, deduplicate_multimodal_data=deduplicate_multimodal_data,
+        **options,
     )  # fmt: skip
+    stream.state.vision.reads_images = media_read_by(policy_generation, deduplicate_multimodal_data)
     waiting: dict[int, RolloutGroupResult] = {}
     next_index = 0
     async for finished in stream.groups(num_generations):

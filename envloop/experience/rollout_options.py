@@ -54,6 +54,12 @@ class RolloutOptions(RolloutSettings, title="rollout options"):
       - env_max_retries: expected int, got bool (True)
     """
 
+    deduplicate_multimodal_data: bool = False
+    """Hand the policy one representation of each sample's images, the one it reads
+    (``GenerationInterface.reads_images``: ``images`` and ``image_grid_thw`` for a server
+    backend, the vision input columns for ``HfGeneration``), instead of both; a sample's
+    unread inputs are then never joined for the call. The final batch is the same either
+    way (NeMo-RL's keyword: only native media for a vLLM backend)."""
     on_turn: Callable[[Any], None] | None = None  # no torch import here: run configs use it
     """Called after every turn with a :class:`~envloop.experience.rollout_metrics.RolloutProgress`
     (``samples``, ``samples_done``, ``turns``, ``generated_tokens``, ``generation_s``,

@@ -176,7 +176,9 @@ def check_limits(max_seq_len: int, max_rollout_turns: int) -> None:
 
 
 def build_generation_input(state: RolloutState, active: torch.Tensor) -> BatchedDataDict[Any]:
-    """Step 1: the active samples' token rows, stop strings and remaining token budgets."""
+    """Step 1: the active samples' token rows, stop strings and remaining token budgets,
+    and their vision inputs (``SampleVision.columns``: both representations of their
+    images, or with ``state.vision.reads_images`` set only what the policy reads)."""
     input_ids, input_lengths = state.tokens.rows(active)
     samples = active.tolist()
     return BatchedDataDict(
@@ -187,6 +189,16 @@ def build_generation_input(state: RolloutState, active: torch.Tensor) -> Batched
         sample_ids=[state.sample_ids[i] for i in samples],
         **(state.vision.columns(samples) if state.vision.any else {}),
     )
+
+
+def media_read_by(policy: Any, deduplicate_multimodal_data: bool) -> bool | None:
+    """``SampleVision.reads_images`` for a rollout of ``policy``: None (hand over both
+    representations of a sample's images) unless ``deduplicate_multimodal_data``; then
+    whether the policy reads ``images`` (``GenerationInterface.reads_images``) rather than
+    the vision input columns."""
+    if not deduplicate_multimodal_data:
+        return None
+    return bool(getattr(policy, "reads_images", False))
 
 
 def append_responses(

@@ -52,6 +52,7 @@ from envloop.experience.rollout_state import (
     append_responses,
     build_generation_input,
     check_limits,
+    media_read_by,
     observation_renderer,
     take_env_results,
 )
@@ -80,6 +81,7 @@ def run_multi_turn_rollout(
     max_seq_len: int,
     max_rollout_turns: int = 999999,
     greedy: bool = False,
+    deduplicate_multimodal_data: bool = False,
     *,
     observation_format: ObservationFormat = DEFAULTS.observation_format,
     env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
@@ -100,6 +102,9 @@ def run_multi_turn_rollout(
         max_seq_len: no sample ever exceeds this many tokens.
         max_rollout_turns: turns (generation + environment step) per sample at most.
         greedy: greedy decoding instead of sampling.
+        deduplicate_multimodal_data: hand the policy only the representation of each
+            sample's images it reads (``GenerationInterface.reads_images``), not both the
+            vision input columns and ``images``; the final batch is the same.
         observation_format, env_step_timeout_s, env_startup_timeout_s, on_env_error,
             env_max_retries, on_turn: the rollout options, each described in
             :class:`~envloop.experience.rollout_options.RolloutOptions`; any other keyword
@@ -127,6 +132,7 @@ def run_multi_turn_rollout(
     dispatcher = EnvDispatcher.from_options(task_to_env, opts)
     timer = PhaseTimer()
     regenerated = getattr(policy_generation, "generation_retries", 0)  # lost workers' rows
+    state.vision.reads_images = media_read_by(policy_generation, opts.deduplicate_multimodal_data)
     try:
         for _ in range(max_rollout_turns):
             active = state.active_indices()
@@ -157,6 +163,7 @@ def run_async_multi_turn_rollout(
     max_seq_len: int,
     max_rollout_turns: int = 999999,
     greedy: bool = False,
+    deduplicate_multimodal_data: bool = False,
     *,
     observation_format: ObservationFormat = DEFAULTS.observation_format,
     env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
@@ -193,6 +200,9 @@ def run_async_multi_turn_rollout(
         policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns,
         greedy, **dict(opts),
     )  # fmt: skip
+    stream.state.vision.reads_images = media_read_by(
+        policy_generation, opts.deduplicate_multimodal_data
+    )
     return RolloutCall(_run_to_end(stream))
 
 

@@ -21,14 +21,22 @@ import torch
 
 from envloop.data.multimodal_utils import PackedTensor, content_images
 
+IMAGE_READER_KEYS = frozenset({"image_grid_thw"})
+"""The vision input columns a backend that reads ``images`` also reads (each image's patch
+grid, to check its placeholder tokens)."""
+
 
 class SampleVision:
     """Per sample, each vision input key's tensors so far, in message order (references to
     the messages' tensors; joined along dim 0 by :meth:`columns`)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, reads_images: bool | None = None) -> None:
         self.inputs: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(size)]
         self.images: list[list[Any]] = [[] for _ in range(size)]
+        # What columns() hands over: None, both the vision input columns and images; True,
+        # images and image_grid_thw (what a server backend sends and checks); False, the
+        # vision input columns without images (rollout_state.media_read_by).
+        self.reads_images = reads_images
 
     def reset(self, sample: int, messages: Sequence[Mapping[str, Any]]) -> None:
         """``sample`` holds the vision inputs of ``messages`` and nothing else."""
@@ -58,12 +66,18 @@ class SampleVision:
     def columns(self, samples: Sequence[int]) -> dict[str, Any]:
         """One ``PackedTensor`` per key any of ``samples`` has, one item per sample (its
         tensors joined along dim 0; a sample with one image message: that message's own
-        tensor), and the ``images`` column (none of either when no sample has images)."""
+        tensor), and the ``images`` column (none of either when no sample has images);
+        with :attr:`reads_images` set, only what the policy reads (the other inputs are
+        never joined)."""
         keys = dict.fromkeys(k for i in samples for k in self.inputs[i])
+        if not keys:
+            return {}
+        if self.reads_images:
+            keys = dict.fromkeys(k for k in keys if k in IMAGE_READER_KEYS)
         columns: dict[str, Any] = {
             k: PackedTensor([_joined(self.inputs[i].get(k)) for i in samples], 0) for k in keys
         }
-        if columns:
+        if self.reads_images is not False:
             columns["images"] = [self.images[i] or None for i in samples]
         return columns
 

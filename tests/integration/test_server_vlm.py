@@ -266,3 +266,46 @@ def test_a_multi_turn_rollout_with_pictures_equals_hf_generation(ray_session, se
         logs.append([[m["token_ids"].tolist() for m in log] for log in final["message_log"]])
     remote.shutdown()
     assert logs[0] == logs[1]
+
+
+class SeenColumns(ServerGeneration):
+    """A server backend recording the columns of every generation input it is handed."""
+
+    def generate(self, data, greedy=False):
+        self.seen = getattr(self, "seen", set()) | set(data)
+        return super().generate(data, greedy=greedy)
+
+
+def test_deduplicated_multimodal_data_hands_the_server_only_images_and_grids(server, folder):
+    """With deduplicate_multimodal_data the engine hands a server backend (which reads
+    images) each sample's images and image_grid_thw but no pixel_values, as NeMo-RL hands a
+    vLLM backend only native media; the greedy trajectories are the same."""
+    from envloop.experience.rollouts import run_multi_turn_rollout
+    from tests.fixtures.vlm_envs import PictureBoardEnv
+
+    logs, seen = [], []
+    for flag in (False, True):
+        backend = SeenColumns(
+            {"base_urls": [server.url], "dialect": "llamacpp", "tokenizer": str(folder),
+             "max_new_tokens": MAX_NEW_TOKENS}
+        )  # fmt: skip
+        prompt = [{"type": "image", "image": ROW_IMAGES[0][0]}, {"type": "text", "text": "Go."}]
+        log = get_formatted_message_log(
+            [{"role": "user", "content": prompt}], backend.processor, add_generation_prompt=True
+        )
+        batch = BatchedDataDict(
+            message_log=[log], extra_env_info=[{"turns": 2, "size": 28, "text": "And now?"}],
+            loss_multiplier=[1.0], idx=[0], task_name=["board"],
+        )  # fmt: skip
+        final, _ = run_multi_turn_rollout(
+            backend, batch, backend.processor, {"board": PictureBoardEnv()}, max_seq_len=300,
+            max_rollout_turns=2, greedy=True, observation_format="chat_template",
+            deduplicate_multimodal_data=flag,
+        )  # fmt: skip
+        backend.shutdown()
+        assert final["generation_error"] == [None] and final["num_turns"].tolist() == [2]
+        logs.append([m["token_ids"].tolist() for m in final["message_log"][0]])
+        seen.append(backend.seen)
+    assert logs[0] == logs[1]
+    assert {"images", "pixel_values", "image_grid_thw"} <= seen[0]
+    assert {"images", "image_grid_thw"} <= seen[1] and "pixel_values" not in seen[1]

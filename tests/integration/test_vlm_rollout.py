@@ -12,8 +12,13 @@ from transformers import AutoModelForImageTextToText
 from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.registry import create_env, register_env
-from envloop.experience.rollouts import run_async_multi_turn_rollout, run_multi_turn_rollout
+from envloop.experience.rollouts import (
+    run_async_multi_turn_rollout,
+    run_async_multi_turn_rollout_groups,
+    run_multi_turn_rollout,
+)
 from envloop.models.generation.hf_generation import HfGeneration
+from envloop.models.generation.interfaces import GenerationInterface
 from envloop.models.tiny_vlm import save_tiny_vlm
 from tests.fixtures.images import noise_image
 from tests.fixtures.vlm_envs import PictureBoardEnv
@@ -206,3 +211,50 @@ def test_worker_actors_generate_with_the_images(ray_session, policy, vlm_dir):
         assert [m["token_ids"].tolist() for m in remote_log] == [
             m["token_ids"].tolist() for m in local_log
         ]
+
+
+class SeenColumns(GenerationInterface):
+    """The module's policy, recording the columns of every generation input it is handed."""
+
+    def __init__(self, inner: HfGeneration) -> None:
+        self.inner, self.columns = inner, set()
+
+    def generate(self, data, greedy=False):
+        self.columns.update(data)
+        return self.inner.generate(data, greedy=greedy)
+
+
+def test_deduplicated_multimodal_data_hands_the_policy_only_its_vision_inputs(policy):
+    """deduplicate_multimodal_data, passed where NeMo-RL's signatures take it (positionally
+    after greedy): HfGeneration reads the vision input columns, so the images column is
+    left out of its inputs; the trajectories are the same."""
+    processor = policy.processor
+
+    def run(engine, *flag: bool):
+        seen = SeenColumns(policy)
+        batch = picture_batch(processor, board_metadata())
+        envs = {"board": PictureBoardEnv()}
+        if engine == "groups":
+
+            async def collect():
+                groups = run_async_multi_turn_rollout_groups(
+                    seen, batch, processor, envs, 400, 3, 2, True, *flag,
+                    observation_format="chat_template",
+                )  # fmt: skip
+                return [group.final_batch async for group in groups]
+
+            [final] = asyncio.run(collect())
+        else:
+            final, _ = engine(
+                seen, batch, processor, envs, 400, 2, True, *flag,
+                observation_format="chat_template",
+            )  # fmt: skip
+        assert final["num_turns"].tolist() == [2, 2, 2]
+        return [[m["token_ids"].tolist() for m in log] for log in final["message_log"]], seen
+
+    reference, seen = run(run_multi_turn_rollout)
+    assert {"images", "pixel_values", "image_grid_thw"} <= seen.columns
+    for engine in (run_multi_turn_rollout, run_async_multi_turn_rollout, "groups"):
+        logs, seen = run(engine, True)
+        assert logs == reference
+        assert {"pixel_values", "image_grid_thw"} <= seen.columns and "images" not in seen.columns

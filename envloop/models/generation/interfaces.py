@@ -79,6 +79,11 @@ class GenerationOutputSpec(TypedDict):
 class GenerationInterface(ABC):
     """A policy that turns a batch of prompts into responses."""
 
+    reads_images: bool = False
+    """Whether the backend reads a row's images from the ``images`` column (and its patch
+    grids from ``image_grid_thw``) rather than from the vision input columns: a rollout
+    called with ``deduplicate_multimodal_data=True`` then hands it only those."""
+
     @abstractmethod
     def generate(
         self, data: BatchedDataDict[GenerationDatumSpec], greedy: bool = False

@@ -42,3 +42,29 @@ def test_samples_without_images_give_no_columns():
     vision = SampleVision(2)
     vision.reset(0, [{"role": "user", "content": "no picture"}])
     assert not vision.any and vision.columns([0, 1]) == {}
+
+
+def test_a_policy_is_handed_only_the_representation_it_reads():
+    prompt = image_message("user", torch.ones(3, 4), "red")
+    prompt["image_grid_thw"] = PackedTensor([torch.tensor([[1, 1, 3]])], 0)
+    observation = image_message("user", torch.zeros(2, 4), "blue")
+    observation["image_grid_thw"] = PackedTensor([torch.tensor([[1, 1, 2]])], 0)
+    both = SampleVision(1)
+    both.reset(0, [prompt, observation])
+    assert sorted(both.columns([0])) == ["image_grid_thw", "images", "pixel_values"]
+
+    images = SampleVision(1, reads_images=True)  # a server backend: images and their grids
+    images.reset(0, [prompt, observation])
+    columns = images.columns([0])
+    assert sorted(columns) == ["image_grid_thw", "images"]
+    assert columns["image_grid_thw"][0].tolist() == [[1, 1, 3], [1, 1, 2]]
+    assert [image.getpixel((0, 0)) for image in columns["images"][0]] == [
+        (255, 0, 0),
+        (0, 0, 255),
+    ]
+
+    inputs = SampleVision(1, reads_images=False)  # HfGeneration: the vision inputs
+    inputs.reset(0, [prompt, observation])
+    columns = inputs.columns([0])
+    assert sorted(columns) == ["image_grid_thw", "pixel_values"]
+    assert torch.equal(columns["pixel_values"][0], torch.cat([torch.ones(3, 4), torch.zeros(2, 4)]))
