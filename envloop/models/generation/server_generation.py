@@ -78,6 +78,11 @@ class ServerGeneration(GenerationInterface):
     among this instance's requests, so a fresh instance repeats a sequence of calls as far
     as the server's sampling is deterministic.
 
+    Samples of one prompt (consecutive rows with the same text prompt, budget and stop
+    strings) go as one request for several completions where a server takes it
+    (llama.cpp: up to its slots), each row with its own seed: the same tokens as a request
+    per row, at a fraction of the client's CPU (docs/server_fleets.md).
+
     Images: a batch may carry an ``images`` column, one entry per row (None, or the row's
     PIL images in the order of its image placeholder spans), beside its vision columns
     (``image_grid_thw`` gives the size each image was processed at). Each image goes to
