@@ -188,6 +188,7 @@ class ExperienceStream:
         self._changed: asyncio.Event | None = None
         self._feeder: asyncio.Task[None] | None = None
         self._counters = _Counters()
+        self._regenerated_before = getattr(policy_generation, "generation_retries", 0)
 
     def __aiter__(self) -> AsyncIterator[FinishedGroup]:
         return self
@@ -245,7 +246,9 @@ class ExperienceStream:
         backend's version when it was handed over), ``mean_version_span`` and
         ``max_version_span`` (newest minus oldest version within a yielded group),
         ``generation_wait_s`` (seconds admission was held because ``max_buffered_groups``
-        groups waited for the consumer) and ``timing/<phase>_s``."""
+        groups waited for the consumer), ``total_env_step_retries`` (environment calls sent
+        again after their actor died), ``total_generation_retries`` (rows generated again
+        after the worker actor generating them was lost) and ``timing/<phase>_s``."""
         c = self._counters
         metrics: dict[str, float | int] = {
             "groups_yielded": c.groups_yielded,
@@ -261,10 +264,15 @@ class ExperienceStream:
             "mean_version_span": c.version_spans.mean,
             "max_version_span": c.version_spans.largest,
             "generation_wait_s": c.generation_wait_s,
+            "total_env_step_retries": self._engine.dispatcher.retries,
+            "total_generation_retries": self._generation_retries(),
         }
         for name in TIMING_PHASES:
             metrics[f"timing/{name}_s"] = self.timer.seconds.get(name, 0.0)
         return metrics
+
+    def _generation_retries(self) -> int:
+        return getattr(self.policy, "generation_retries", 0) - self._regenerated_before
 
     # -- admission -------------------------------------------------------------------
 

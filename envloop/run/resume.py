@@ -29,6 +29,8 @@ RESULT_NEUTRAL_KEYS = (
     "policy.startup_timeout_s",
     "policy.worker_num_cpus",
     "policy.worker_num_gpus",
+    "policy.worker_placement",
+    "policy.worker_startup_timeout_s",
     "envs.*.num_cpus",
     "envs.*.placement",
 )

@@ -17,7 +17,7 @@ from envloop.experience.rollouts import (
 from envloop.models.generation.hf_generation import HfGeneration
 from envloop.models.generation.scripted_generation import ScriptedGeneration
 from tests.fixtures.batches import guess_sample, make_batch, scripted_respond
-from tests.fixtures.envs import ComponentRewardEnv, FailingEnv, GuessNumberEnv
+from tests.fixtures.envs import ComponentRewardEnv, DieOnceEnv, FailingEnv, GuessNumberEnv
 
 SECRETS = [99, 50, 25, 37, 12, 80, 64, 3]
 
@@ -67,6 +67,7 @@ def test_every_prompt_of_a_finite_source_yields_one_complete_group(tiny_tokenize
     assert metrics["samples_yielded"] == 2 * len(rows)
     assert metrics["groups_dropped_stale"] == 0
     assert metrics["total_turns"] == int(final["num_turns"].sum())
+    assert (metrics["total_env_step_retries"], metrics["total_generation_retries"]) == (0, 0)
 
 
 @pytest.mark.parametrize("source", ["batch", "async"])
@@ -203,6 +204,26 @@ def test_a_failing_environment_leaves_its_sample_in_the_group(tiny_tokenizer):
     assert all(e.startswith("env failing.step raised:") for e in failed["env_error"])
     assert groups[0].batch["loss_multiplier"] == [1.0, 1.0, 1.0]
     assert stream.metrics()["env_or_generation_error_rate"] == 0.5
+
+
+@pytest.mark.ray
+def test_an_environment_actor_that_dies_is_retried_and_counted(
+    ray_session, tiny_tokenizer, tmp_path
+):
+    batch = make_batch(tiny_tokenizer, [{"task": "echo", "prompt": f"p{i}"} for i in range(3)])
+    rows = [{key: batch[key][i] for key in batch} for i in range(3)]
+    env = DieOnceEnv.options(num_cpus=0, max_restarts=1, max_task_retries=0).remote(
+        str(tmp_path / "died")
+    )
+    try:
+        policy = ScriptedGeneration(tiny_tokenizer, lambda prompt: "hi")
+        stream = ExperienceStream(policy, rows, tiny_tokenizer, {"echo": env}, 512, group_size=2)
+        groups = asyncio.run(collect(stream))
+    finally:
+        ray_session.kill(env)
+    assert sorted(g.indices for g in groups) == [[0, 1], [2, 3], [4, 5]]
+    assert all(g.batch["env_error"] == [None, None] for g in groups)
+    assert stream.metrics()["total_env_step_retries"] >= 1
 
 
 def test_close_mid_stream_leaves_nothing_running(tiny_policy_dir):
