@@ -258,7 +258,7 @@ def training_batch(
     copies = [[dict(message) for message in log] for log in logs]
     add_grpo_token_loss_masks_and_generation_logprobs(copies)
     flat, input_lengths = batched_message_log_to_flat_message(
-        copies, pad_value_dict={"token_ids": pad_token_id}
+        copies, pad_value_dict={"token_ids": pad_token_id}, deduplicate_multimodal_data=True
     )
     multiplier = final_batch.get("loss_multiplier")
     sample_mask = torch.ones(size) if multiplier is None else torch.as_tensor(multiplier)

@@ -233,6 +233,41 @@ def test_training_batch_keeps_each_samples_images():
     assert train["sample_mask"].tolist() == [1.0, 1.0]  # no loss_multiplier: all trainable
 
 
+def test_training_batch_aligns_shared_prompt_images_with_multi_image_samples():
+    """Prompts repeated sharing their image (as build_rollout_batch does), beside a text
+    prompt whose sample got two image observations: one row per sample, each image once."""
+
+    def image(n: int) -> PackedTensor:
+        return PackedTensor([torch.full((n, 6), float(n))], dim_to_pack=0)
+
+    def reply() -> dict:
+        return {"role": "assistant", "token_ids": torch.tensor([7]),
+                "generation_logprobs": torch.tensor([-1.0])}  # fmt: skip
+
+    prompts = BatchedDataDict(
+        message_log=[
+            [{"role": "user", "token_ids": torch.tensor([1]), "pixel_values": image(4)}],
+            [{"role": "user", "token_ids": torch.tensor([2])}],
+        ]
+    )
+    logs = prompts.repeat_interleave(2, share_immutable_media=True)["message_log"]
+    for log in logs:
+        log.append(reply())
+    for n in (2, 3):
+        logs[2] += [{"role": "user", "token_ids": torch.tensor([5]), "pixel_values": image(n)}]
+        logs[2].append(reply())
+    train = training_batch(BatchedDataDict(message_log=logs), torch.ones(4), pad_token_id=0)
+    pixels = train["pixel_values"]
+    assert pixels.logical_segment_counts_by_row() == [1, 1, 2, 0]
+    assert len(pixels.tensors) == 3  # the prompt's image stored once for its two samples
+    assert [None if row is None else row[:, 0].tolist() for row in pixels] == [
+        [4.0] * 4,
+        [4.0] * 4,
+        [2.0, 2.0, 3.0, 3.0, 3.0],
+        None,
+    ]
+
+
 def test_training_batch_refuses_advantages_of_the_wrong_shape(tiny_tokenizer):
     final = BatchedDataDict(message_log=[[{"role": "user", "token_ids": torch.tensor([1])}]])
     with pytest.raises(ValueError, match=r"advantages must be a \[B\] tensor .* \(B = 1\)"):
