@@ -12,7 +12,8 @@ the process first: it waits for the journal's write under way to end (so no file
 partial line), prints what happened, how many samples are kept and the command that
 resumes, and exits with status :data:`EXIT_STATUS`. Every sample recorded is kept, as
 after a kill; the samples in flight are lost (see docs/resume.md). A GCS that answers
-again before that (a head restarted with GCS fault tolerance) lets the run go on.
+again before that (a head restarted with GCS fault tolerance) does not end the run: the
+count starts again at the next silence.
 """
 
 from __future__ import annotations

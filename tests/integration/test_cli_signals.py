@@ -52,6 +52,7 @@ def wait_for_line(path, text, process, limit_s=120):
         (signal.SIGTERM, 143, "envloop run: stopped by SIGTERM: 8 of 12 samples finished"),
         (signal.SIGINT, 130, "envloop run: interrupted (Ctrl-C): 8 of 12 samples finished"),
     ],
+    ids=["SIGTERM", "SIGINT"],
 )
 def test_a_signal_finishes_the_batch_in_flight_and_prints_the_resume_command(
     ray_session, tmp_path, untied_policy_dir, sent, status, line
