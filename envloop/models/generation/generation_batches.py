@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
@@ -88,22 +89,32 @@ def build_output(
     prompt_lengths = input_lengths.tolist()
     gen_lengths = [len(r.tokens) for r in results]
     total = [p + g for p, g in zip(prompt_lengths, gen_lengths)]
-    width = max([input_ids.shape[1], *total])
-    ids, logprobs, versions = [], [], []  # rows as lists: one tensor per column, not per row
-    for prompt, result, start, end in zip(input_ids.tolist(), results, prompt_lengths, total):
-        pad = width - end
-        ids.append(prompt[:start] + result.tokens + [pad_id] * pad)
-        logprobs.append([0.0] * start + result.logprobs + [0.0] * pad)
-        own = result.versions or [0] * len(result.tokens)
-        versions.append([0] * start + own + [0] * pad)
-    shape = (len(results), width)  # also for no rows
+    rows, width = len(results), max([input_ids.shape[1], *total])
+    output_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros((rows, width), dtype=torch.float32)
+    versions = torch.zeros((rows, width), dtype=torch.int32)
+    prompts = input_ids.cpu()
+    in_prompt = torch.arange(prompts.shape[1]) < input_lengths.cpu()[:, None]
+    output_ids[:, : prompts.shape[1]][in_prompt] = prompts[in_prompt]
+    # every generated token at once: its row, and its column after its row's prompt
+    counts = torch.tensor(gen_lengths, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(rows), counts)
+    offsets = torch.cumsum(counts, 0) - counts  # where each row's tokens start in the flat list
+    starts = torch.tensor(prompt_lengths, dtype=torch.long)
+    column = torch.arange(len(row)) - offsets[row] + starts[row]
+    tokens = itertools.chain.from_iterable(r.tokens for r in results)
+    output_ids[row, column] = torch.tensor(list(tokens), dtype=torch.long)
+    values = itertools.chain.from_iterable(r.logprobs for r in results)
+    logprobs[row, column] = torch.tensor(list(values), dtype=torch.float32)
+    labels = itertools.chain.from_iterable(r.versions or [0] * len(r.tokens) for r in results)
+    versions[row, column] = torch.tensor(list(labels), dtype=torch.int32)
     return BatchedDataDict(
-        output_ids=torch.tensor(ids, dtype=torch.long).reshape(shape),
-        generation_lengths=torch.tensor(gen_lengths, dtype=torch.long),
+        output_ids=output_ids,
+        generation_lengths=counts,
         unpadded_sequence_lengths=torch.tensor(total, dtype=torch.long),
-        logprobs=torch.tensor(logprobs, dtype=torch.float32).reshape(shape),
+        logprobs=logprobs,
         truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
-        policy_versions=torch.tensor(versions, dtype=torch.int32).reshape(shape),
+        policy_versions=versions,
     )
 
 
