@@ -104,7 +104,6 @@ class ServerClient:
         fails fails or retries all its rows together."""
         if request.budget <= 0:
             return [SampleResult(truncated=True) for _ in range(n)]
-        rows = [request] if n == 1 else [_shifted(request, j) for j in range(n)]
         body: Callable[[ServerSlot], dict[str, Any]]
         parse: Callable[[Any], Any]
         if n == 1:
@@ -122,17 +121,20 @@ class ServerClient:
             half = n // 2
             first, second = await asyncio.gather(
                 self.generate_group(request, half, sampling, keys[:half]),
-                self.generate_group(rows[half], n - half, sampling, keys[half:]),
+                self.generate_group(_shifted(request, half), n - half, sampling, keys[half:]),
             )
             return first + second
         if n == 1:
             replies = [replies]
-        results = [_gapless(row, reply, version) for row, reply in zip(rows, replies)]
+        # the rows share their budget: the first row's request stands for each (its seed
+        # matters only to a row's follow-up requests)
+        results = [_gapless(request, reply, version) for reply in replies]
         gaps = [j for j, result in enumerate(results) if result is None]
         if gaps:  # rows whose reply lacks log-probabilities: follow-up requests each
             filled = await asyncio.gather(
-                *(self._row_result(rows[j], sampling, replies[j], version, keys[j]) for j in gaps)
-            )
+                *(self._row_result(_shifted(request, j), sampling, replies[j], version, keys[j])
+                  for j in gaps)
+            )  # fmt: skip
             for j, result in zip(gaps, filled):
                 results[j] = result
         return results  # type: ignore[return-value]
