@@ -208,6 +208,8 @@ def test_the_head_node_lost_ends_the_run_resumably(
         if process.poll() is None:
             process.send_signal(signal.SIGKILL)
             process.communicate()
+        for node in ray_cluster.nodes.values():  # the rest of a cluster without its head
+            node.kill()
     stderr = (tmp_path / "stderr").read_text()
     assert process.returncode == EXIT_STATUS, stderr
     lines = stderr.splitlines()
