@@ -55,6 +55,7 @@ from envloop.experience.rollout_state import (
     append_responses,
     build_generation_input,
     check_limits,
+    media_read_by,
     observation_renderer,
     take_env_results,
 )
@@ -121,6 +122,7 @@ class RolloutStream:
         max_rollout_turns: int = 999999,
         greedy: bool = False,
         *,
+        deduplicate_multimodal_data: bool = False,
         observation_format: ObservationFormat = DEFAULTS.observation_format,
         env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
         env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
@@ -136,6 +138,9 @@ class RolloutStream:
         check_limits(max_seq_len, max_rollout_turns)
         self.input_batch = input_batch
         self.state = RolloutState.start(input_batch, tokenizer, max_seq_len)
+        self.state.vision.reads_images = media_read_by(
+            policy_generation, self.options.deduplicate_multimodal_data
+        )
         check_tasks_have_envs(self.state.task_names, task_to_env)
         self.timer = PhaseTimer()
         self._regenerated = getattr(policy_generation, "generation_retries", 0)

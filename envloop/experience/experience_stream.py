@@ -45,7 +45,7 @@ from envloop.experience.rollout_options import (
     options_from_arguments,
 )
 from envloop.experience.rollout_results import grouped_slot_rows
-from envloop.experience.rollout_state import RolloutState, check_limits
+from envloop.experience.rollout_state import RolloutState, check_limits, media_read_by
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["ExperienceStream"]
@@ -124,9 +124,10 @@ class ExperienceStream:
             group_size``).
         filter_groups: drop groups without reward signal as they finish and admit more
             prompts in their place (DAPO's dynamic sampling); needs ``group_size >= 2``.
-        observation_format, env_step_timeout_s, env_startup_timeout_s, on_env_error,
-            env_max_retries, on_turn, max_concurrent_samples, coalesce_window_s,
-            max_coalesced_samples: the options of ``run_async_multi_turn_rollout``
+        deduplicate_multimodal_data, observation_format, env_step_timeout_s,
+            env_startup_timeout_s, on_env_error, env_max_retries, on_turn,
+            max_concurrent_samples, coalesce_window_s, max_coalesced_samples: the options
+            of ``run_async_multi_turn_rollout``
             (:class:`~envloop.experience.rollout_options.AsyncRolloutOptions`);
             ``max_concurrent_samples`` None means 64 here. Any other keyword fails with a
             ``ConfigError`` that names the closest option.
@@ -146,6 +147,7 @@ class ExperienceStream:
         max_staleness: int | None = None,
         max_buffered_groups: int | None = None,
         filter_groups: bool = False,
+        deduplicate_multimodal_data: bool = False,
         observation_format: ObservationFormat = DEFAULTS.observation_format,
         env_step_timeout_s: float | None = DEFAULTS.env_step_timeout_s,
         env_startup_timeout_s: float | None = DEFAULTS.env_startup_timeout_s,
@@ -168,6 +170,9 @@ class ExperienceStream:
         self.max_buffered_groups = max_buffered_groups or self.slots_total // group_size
         self.policy, self.task_to_env = policy_generation, task_to_env
         self.state = RolloutState.empty(self.slots_total, tokenizer, max_seq_len)
+        self.state.vision.reads_images = media_read_by(
+            policy_generation, self.options.deduplicate_multimodal_data
+        )
         self.timer = PhaseTimer()
         options_here = self.options.model_copy(update={"max_concurrent_samples": self.slots_total})
         self._engine = SampleEngine(
@@ -504,8 +509,9 @@ def _group_rows(datum: Any, group_size: int, number: int) -> BatchedDataDict[Any
     if isinstance(datum, BatchedDataDict) and row.size != 1:
         raise ValueError(f"prompt {number} of the stream's source has {row.size} rows; give one")
     # Several members get their own copies of the row's lists (repeat_interleave deep-copies
-    # them); a lone member shares them with the source, as a RolloutStream row does.
-    return row if group_size == 1 else row.repeat_interleave(group_size)
+    # them) and share its media (images, vision inputs: never written to); a lone member
+    # shares everything with the source, as a RolloutStream row does.
+    return row if group_size == 1 else row.repeat_interleave(group_size, share_immutable_media=True)
 
 
 async def _prompt_rows(prompts: Any) -> AsyncIterator[Any]:

@@ -19,7 +19,7 @@ import torch
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.experience.async_rollouts import FinishedGroup, RolloutStream
-from envloop.experience.rollout_state import RolloutState, media_read_by
+from envloop.experience.rollout_state import RolloutState
 from envloop.models.generation.interfaces import GenerationInterface
 
 __all__ = ["RolloutGroupResult", "group_metrics", "run_async_multi_turn_rollout_groups"]
@@ -90,7 +90,6 @@ async def run_async_multi_turn_rollout_groups(
         max_rollout_turns, greedy, deduplicate_multimodal_data=deduplicate_multimodal_data,
         **options,
     )  # fmt: skip
-    stream.state.vision.reads_images = media_read_by(policy_generation, deduplicate_multimodal_data)
     waiting: dict[int, RolloutGroupResult] = {}
     next_index = 0
     async for finished in stream.groups(num_generations):

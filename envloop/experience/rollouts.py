@@ -200,9 +200,6 @@ def run_async_multi_turn_rollout(
         policy_generation, input_batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns,
         greedy, **dict(opts),
     )  # fmt: skip
-    stream.state.vision.reads_images = media_read_by(
-        policy_generation, opts.deduplicate_multimodal_data
-    )
     return RolloutCall(_run_to_end(stream))
 
 

@@ -13,6 +13,7 @@ from envloop.data.llm_message_utils import get_formatted_message_log
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.environments.registry import create_env, register_env
 from envloop.experience.rollouts import (
+    ExperienceStream,
     run_async_multi_turn_rollout,
     run_async_multi_turn_rollout_groups,
     run_multi_turn_rollout,
@@ -244,6 +245,19 @@ def test_deduplicated_multimodal_data_hands_the_policy_only_its_vision_inputs(po
                 return [group.final_batch async for group in groups]
 
             [final] = asyncio.run(collect())
+        elif engine == "stream":
+            rows = [{key: batch[key][i] for key in batch} for i in range(batch.size)]
+
+            async def stream_rows():
+                stream = ExperienceStream(
+                    seen, rows, processor, envs, 400, 2, True, group_size=1,
+                    deduplicate_multimodal_data=bool(flag and flag[0]),
+                    observation_format="chat_template",
+                )  # fmt: skip
+                groups = sorted([g async for g in stream], key=lambda g: g.indices)
+                return BatchedDataDict.from_batches([g.batch for g in groups])
+
+            final = asyncio.run(stream_rows())
         else:
             final, _ = engine(
                 seen, batch, processor, envs, 400, 2, True, *flag,
@@ -254,7 +268,32 @@ def test_deduplicated_multimodal_data_hands_the_policy_only_its_vision_inputs(po
 
     reference, seen = run(run_multi_turn_rollout)
     assert {"images", "pixel_values", "image_grid_thw"} <= seen.columns
-    for engine in (run_multi_turn_rollout, run_async_multi_turn_rollout, "groups"):
+    for engine in (run_multi_turn_rollout, run_async_multi_turn_rollout, "groups", "stream"):
         logs, seen = run(engine, True)
         assert logs == reference
         assert {"pixel_values", "image_grid_thw"} <= seen.columns and "images" not in seen.columns
+
+
+def test_a_stream_groups_members_share_their_prompts_vision_inputs(policy):
+    """ExperienceStream repeats a prompt for its group with share_immutable_media=True: the
+    members' prompt messages are their own dicts, their vision inputs the same tensors."""
+    processor = policy.processor
+    batch = picture_batch(processor, board_metadata())
+    row = {key: batch[key][0] for key in batch}  # the prompt with one image
+
+    async def first_group():
+        async with ExperienceStream(
+            policy, [row], processor, {"board": PictureBoardEnv()}, 400, 1, True,
+            group_size=2, observation_format="chat_template",
+        ) as stream:  # fmt: skip
+            return await anext(stream)
+
+    group = asyncio.run(first_group())
+    first, second = (log[0] for log in group.batch["message_log"])
+    assert first is not second and first["token_ids"] is not second["token_ids"]
+    assert torch.equal(first["token_ids"], second["token_ids"])
+    # PackedTensors of their own, holding the same tensor objects.
+    assert [
+        t is u for t, u in zip(first["pixel_values"].tensors, second["pixel_values"].tensors)
+    ] == [True]
+    assert group.batch["num_turns"].tolist() == [1, 1]
