@@ -189,6 +189,8 @@ class ExperienceStream:
         self._running_groups = 0
         self._source_done = False
         self._started = self._closed = False
+        self._admitting = True
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         self._changed: asyncio.Event | None = None
         self._feeder: asyncio.Task[None] | None = None
@@ -241,6 +243,14 @@ class ExperienceStream:
             await self._engine.close()
         self._notify()
 
+    def stop_admitting(self) -> None:
+        """Start no more prompts: the groups already started finish and are yielded (a
+        stale one is dropped, not run again), then iteration ends. Safe to call from a
+        signal handler or another thread."""
+        self._admitting = False
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._notify)
+
     def metrics(self) -> dict[str, float | int]:
         """What the stream has done so far: ``groups_yielded``, ``groups_dropped_stale``,
         ``regenerations`` (prompts run again because their group was stale),
@@ -286,6 +296,7 @@ class ExperienceStream:
             return
         self._started = True
         self._changed = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._engine.start(self._member_finished, self._fail)
         self._feeder = asyncio.ensure_future(self._feed())
 
@@ -295,6 +306,8 @@ class ExperienceStream:
         number = 0
         while True:
             await self._wait_for_room()
+            if not self._admitting:
+                return
             if self._retry:
                 self._begin(self._retry.popleft())
                 continue
@@ -308,6 +321,8 @@ class ExperienceStream:
             except Exception as exc:
                 self._fail(exc)
                 return
+            if not self._admitting:
+                return
             try:
                 rows = _group_rows(datum, self.group_size, number)
                 self._begin(_Group(number, rows))
@@ -319,7 +334,7 @@ class ExperienceStream:
     async def _wait_for_room(self) -> None:
         assert self._changed is not None
         held_since = None
-        while not self._has_room():
+        while self._admitting and not self._has_room():
             if held_since is None and len(self._ready) >= self.max_buffered_groups:
                 held_since = time.perf_counter()
             self._changed.clear()
@@ -329,7 +344,7 @@ class ExperienceStream:
 
     async def _wait_for_retry(self) -> None:
         assert self._changed is not None
-        while not self._retry:
+        while self._admitting and not self._retry:
             self._changed.clear()
             await self._changed.wait()
 
@@ -457,9 +472,8 @@ class ExperienceStream:
         return list(range(first, first + self.group_size))
 
     def _exhausted(self) -> bool:
-        return (
-            self._source_done and not self._retry and not self._running_groups and not self._ready
-        )
+        no_more = not self._admitting or (self._source_done and not self._retry)
+        return no_more and not self._running_groups and not self._ready
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:

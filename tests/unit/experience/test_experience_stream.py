@@ -190,6 +190,38 @@ def test_backpressure_holds_admission_while_the_consumer_sleeps(tiny_tokenizer):
     assert stream.metrics()["generation_wait_s"] > 0
 
 
+def test_stop_admitting_yields_the_started_groups_then_ends(tiny_tokenizer):
+    taken = []
+
+    def prompts():
+        for k, row in enumerate(guess_rows(tiny_tokenizer) * 4):
+            taken.append(k)
+            yield row
+
+    policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
+    stream = ExperienceStream(
+        policy, prompts(), tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        max_concurrent_samples=6,
+    )  # fmt: skip
+
+    seen: list = []
+    started: list[int] = []
+
+    async def run():
+        async for group in stream:
+            seen.append(group)
+            if len(seen) == 1:  # the prompts started by now are those taken from the source
+                started.extend(taken)
+                stream.stop_admitting()
+
+    asyncio.run(run())
+    # Every prompt taken before the stop, and only those, yields its whole group.
+    assert started and len(started) < 4 * len(SECRETS)
+    assert sorted(g.indices[0] // 2 for g in seen) == started
+    assert all(g.batch.size == 2 for g in seen)
+    assert stream.metrics()["groups_yielded"] == len(started)
+
+
 def test_a_failing_environment_leaves_its_sample_in_the_group(tiny_tokenizer):
     batch = make_batch(
         tiny_tokenizer, [guess_sample(50), {"task": "failing", "prompt": "Anything."}]
