@@ -8,6 +8,7 @@ import itertools
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from envloop.data.multimodal_utils import PackedTensor
@@ -90,31 +91,33 @@ def build_output(
     gen_lengths = [len(r.tokens) for r in results]
     total = [p + g for p, g in zip(prompt_lengths, gen_lengths)]
     rows, width = len(results), max([input_ids.shape[1], *total])
-    output_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    versions = torch.zeros((rows, width), dtype=torch.int32)
-    prompts = input_ids.cpu()
-    in_prompt = torch.arange(prompts.shape[1]) < input_lengths.cpu()[:, None]
+    # assembled in numpy: single-threaded (torch's parallel kernels would wake its thread
+    # pool for these small copies), then handed to torch without a copy
+    prompts = input_ids.cpu().numpy()
+    starts = np.asarray(prompt_lengths, dtype=np.int64).reshape(rows)
+    output_ids = np.full((rows, width), pad_id, dtype=np.int64)
+    in_prompt = np.arange(prompts.shape[1]) < starts[:, None]
     output_ids[:, : prompts.shape[1]][in_prompt] = prompts[in_prompt]
     # every generated token at once: its row, and its column after its row's prompt
-    counts = torch.tensor(gen_lengths, dtype=torch.long)
-    row = torch.repeat_interleave(torch.arange(rows), counts)
-    offsets = torch.cumsum(counts, 0) - counts  # where each row's tokens start in the flat list
-    starts = torch.tensor(prompt_lengths, dtype=torch.long)
-    column = torch.arange(len(row)) - offsets[row] + starts[row]
-    tokens = itertools.chain.from_iterable(r.tokens for r in results)
-    output_ids[row, column] = torch.tensor(list(tokens), dtype=torch.long)
-    values = itertools.chain.from_iterable(r.logprobs for r in results)
-    logprobs[row, column] = torch.tensor(list(values), dtype=torch.float32)
-    labels = itertools.chain.from_iterable(r.versions or [0] * len(r.tokens) for r in results)
-    versions[row, column] = torch.tensor(list(labels), dtype=torch.int32)
+    counts = np.asarray(gen_lengths, dtype=np.int64).reshape(rows)
+    row = np.repeat(np.arange(rows), counts)
+    column = np.arange(len(row)) - (np.cumsum(counts) - counts)[row] + starts[row]
+    chain = itertools.chain.from_iterable
+    tokens = chain(r.tokens for r in results)
+    output_ids[row, column] = np.fromiter(tokens, dtype=np.int64, count=len(row))
+    logprobs = np.zeros((rows, width), dtype=np.float32)
+    values = chain(r.logprobs for r in results)
+    logprobs[row, column] = np.fromiter(values, dtype=np.float64, count=len(row))
+    versions = np.zeros((rows, width), dtype=np.int32)
+    labels = chain(r.versions or [0] * len(r.tokens) for r in results)
+    versions[row, column] = np.fromiter(labels, dtype=np.int64, count=len(row))
     return BatchedDataDict(
-        output_ids=output_ids,
-        generation_lengths=counts,
+        output_ids=torch.from_numpy(output_ids),
+        generation_lengths=torch.from_numpy(counts),
         unpadded_sequence_lengths=torch.tensor(total, dtype=torch.long),
-        logprobs=logprobs,
+        logprobs=torch.from_numpy(logprobs),
         truncated=torch.tensor([r.truncated for r in results], dtype=torch.bool),
-        policy_versions=versions,
+        policy_versions=torch.from_numpy(versions),
     )
 
 
