@@ -1,7 +1,8 @@
-"""Which rows ServerGeneration sends together as one request for several completions: a
-prompt's samples (same text prompt, budget and stop strings, consecutive seeds). That each
-row then gets the tokens of a request of its own is tested against a real llama-server
-(``tests/integration/test_server_generation.py``)."""
+"""Which rows ``ServerGeneration`` sends together as one request for several completions
+(``server_generation._same_prompt``): a prompt's samples (same text prompt, budget and stop
+strings, consecutive seeds). That each row then gets the tokens of a request of its own is
+tested against a real llama-server (``tests/integration/test_server_generation.py``; this
+file is not named after its module because that one is)."""
 
 from __future__ import annotations
 
