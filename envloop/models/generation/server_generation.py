@@ -249,9 +249,9 @@ class ServerGeneration(GenerationInterface):
         """The batch's columns and, for each group of rows sent together, its first row
         and the call that gives the group's results in row order: consecutive text rows
         with the same prompt, budget and stop strings (a prompt's samples) go as one
-        request for several completions where a server takes them (``ServerSlot.parallel``,
-        llama.cpp's slots), each row with its own seed, so each row gets the tokens a
-        request of its own would give."""
+        request for several completions, up to what every joined server takes
+        (``ServerRouter.group_size``: llama.cpp's slots), each row with its own seed, so
+        each row gets the tokens a request of its own would give."""
         check_generation_input(data, self.vocab_size)
         images = self._row_images(data)
         batch = generation_columns(data)
@@ -261,7 +261,7 @@ class ServerGeneration(GenerationInterface):
         sampling = Sampling(
             self.config.temperature, self.config.top_p, self.config.top_k, greedy=greedy
         )
-        limit = self._client.router.most_parallel()
+        limit = self._client.router.group_size()
         groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
         first, group = 0, None
         for row, (ids, length, budget, stop) in enumerate(

@@ -111,9 +111,10 @@ class ServerRouter:
         server.outstanding += need
         return server
 
-    def most_parallel(self) -> int:
-        """The most completions a joined server takes per request (1 with none joined)."""
-        return max((s.parallel for s in self._joined), default=1)
+    def group_size(self) -> int:
+        """The most completions per request every joined server takes (1 with none
+        joined), so that a group can go to any of them."""
+        return min((s.parallel for s in self._joined), default=1)
 
     def release(self, server: ServerSlot, *, ok: bool, n: int = 1) -> None:
         """A request to ``server`` for ``n`` completions ended: answered (``ok``), or failed
