@@ -19,8 +19,9 @@ measured apart (``gc.callbacks``); the process-wide GC settings are left as they
 ``tests/fixtures/llama_server.py``: 4 slots, 1 thread each) behind one ``ServerGeneration``
 (``max_concurrent_requests`` = ``--requests``, at most 64 sent to each server at once, the
 rest waiting in the client; 2 new tokens per request, 3 retries);
-``--requests`` rows go at once. Once both servers have answered 32 requests, the second
-is killed by process id (SIGKILL), and started again on its port 1 s later. Reported:
+``--requests`` rows go at once. Once both servers have answered 32 rows, the second
+is killed by process id (SIGKILL), and started again on its port 1 s later (the rows share
+one prompt: they go as requests of 4 completions, the servers' slots). Reported:
 whether every row ended (with its tokens, or a generation error after its retries), the
 retries, the client CPU per request, and the recovery time: from the restarted server
 answering ``/health`` to its first answered generation request (the rest of its
@@ -254,13 +255,13 @@ def recovery_section(requests: int) -> list[str]:
     )
     return [
         f"Server killed under load: {requests:,} rows at once over two llama-servers, "
-        "the second killed by pid once both answered 32 requests and restarted 1 s later.",
+        "the second killed by pid once both answered 32 rows and restarted 1 s later.",
         "",
         f"- rows: {len(errors):,}; with their tokens: {ok:,}; generation errors after "
         f"their retries: {failed:,}; lost: {requests - ok - failed}",
         f"- HTTP requests {stats['requests']:,}, retries {stats['retries']:,}, answered "
         f"per server {list(stats['answered'].values())}",
-        f"- wall {wall:.1f} s; client CPU {cpu / requests * 1e6:,.0f} µs/request",
+        f"- wall {wall:.1f} s; client CPU {cpu / requests * 1e6:,.0f} µs/row",
         f"- the restarted server answered its first request {recovery}",
     ]
 
