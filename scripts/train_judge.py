@@ -1,25 +1,31 @@
 """Train the bundled judge (``envloop/demo/assets/judge``) on CPU, reproducibly.
 
-    nice -n 19 .venv/bin/python scripts/train_judge.py [--steps 1500] [--batch-size 16]
-        [--lr 3e-3] [--seed 0] [--out DIR] [--init DIR]
+    nice -n 19 .venv/bin/python scripts/train_judge.py [--steps 2000] [--batch-size 16]
+        [--lr 3e-3] [--seed 0] [--kinds single_ref=0.3,single=0.7] [--out DIR] [--init DIR]
+
+The shipped weights are the defaults' (14 minutes on a shared 2-core machine; see
+docs/judge.md for the held-out accuracy and calibration).
 
 The judge is the bundled policy (a 4-layer Qwen3 causal LM, 0.85 M parameters, that works
 the demo's arithmetic column by column) fine-tuned to answer the judge environment's
 built-in prompts (:mod:`envloop.environments.judge.templates`) about the demo's arithmetic
-replies (:mod:`envloop.demo.tasks`):
+replies (:mod:`envloop.demo.tasks`). It writes both numbers zero-padded to one width, then
+their digits side by side with ``=`` (same) or ``!`` (different), then the verdict, so that
+each step follows from the few tokens just before it:
 
-- ``reference_equivalence`` with a reference answer: ``reference 85; reply 86: no``;
-- the same without one: it works the question first,
-  ``7 + 8 = 15, 3 + 4 + 1 = 8, so 85; reply 86: no``;
-- ``group_comparison`` (2-3 replies, with or without a reference): the same first part,
-  then one line per reply, ``1: reply 85, yes``.
+- ``reference_equivalence`` with a reference answer (kind ``single_ref``):
+  ``reference 085; reply 086: 00= 88= 56! no``;
+- the same without one (``single``): it works the question first,
+  ``7 + 8 = 15, 3 + 4 + 1 = 8, so 085; reply 086: 00= 88= 56! no``;
+- ``group_comparison`` (``group_ref``, ``group``; 2-3 replies; not in the defaults): the
+  same first part, then one line per reply, ``1: reply 086: 00= 88= 56! no``.
 
-``reply`` is the reply's last boxed number (``none`` when it has none). Replies are right
-(:meth:`MathItem.response`), wrong (:func:`tasks.wrong_response`: a column off by one, or a
-wrong boxed number) or cut short before their answer. Prompts are rendered and tokenized
-exactly as the judge environment does (the template, then the chat template with the
-generation prompt); the loss covers the judge's reply and its EOS, each verdict's deciding
-token (``y`` of `` yes``, ``n`` of `` no``) weighted ``--verdict-weight``. Training
+``reply`` is the reply's last boxed number (``none`` when it has none: ``reply none: no``).
+Replies are right (:meth:`MathItem.response`), wrong (:func:`tasks.wrong_response`: a column
+off by one, or a wrong boxed number) or cut short before their answer. Prompts are rendered
+and tokenized exactly as the judge environment does (the template, then the chat template
+with the generation prompt); the loss covers the judge's reply and its EOS, each verdict's
+deciding token (``y`` of `` yes``, ``n`` of `` no``) weighted ``--verdict-weight``. Training
 questions only: the held-out tenth (:func:`tasks.is_held_out`) is what the held-out rates
 printed during training, and ``scripts/eval_judge.py``, measure. Same seed, same weights
 (on the same torch build).
@@ -47,7 +53,7 @@ from envloop.environments.reward_model.batching import pad_sequences
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_training import train
 
-KINDS = {"single_ref": 0.5, "single": 0.5, "group_ref": 0.0, "group": 0.0}
+KINDS = {"single_ref": 0.3, "single": 0.7, "group_ref": 0.0, "group": 0.0}
 """The share of training steps spent on each kind of judge prompt (``--kinds``)."""
 
 Example = tuple[list[int], list[float], list[bool]]
@@ -65,11 +71,11 @@ def reply_number(reply: str) -> str:
 
 def replies(item: tasks.MathItem, rng: random.Random, count: int) -> list[tuple[str, bool]]:
     """``count`` replies to ``item`` with whether each is right: right, wrong or cut short
-    (before its answer), 50/40/10."""
+    (before its answer), 40/50/10."""
     out = []
     for _ in range(count):
         draw = rng.random()
-        if draw < 0.5:
+        if draw < 0.4:
             out.append((item.response(), True))
         elif draw < 0.9:
             out.append((tasks.wrong_response(item, rng), False))

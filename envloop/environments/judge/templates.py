@@ -14,8 +14,7 @@ A template renders the judge's user message from these variables:
 Built-in templates (:data:`BUILTIN_TEMPLATES`): ``reference_equivalence`` (is the reply's
 final answer right, against the reference when there is one), ``rubric`` (a score from 0 to
 10 against the rubric's items) and ``group_comparison`` (every reply to one question, one
-verdict line ``<k>: <verdict>`` each). The bundled judge was trained on the first and the
-last.
+verdict line ``<k>: <verdict>`` each). The bundled judge was trained on the first only.
 """
 
 from __future__ import annotations
