@@ -13,7 +13,9 @@ On held-out arithmetic questions (:func:`envloop.demo.tasks.math_items` with
   1 (what the demo's judge sees), greedily, and with ``--samples`` judgements at temperature
   1 whose mean is the judge's probability that the reply is right: the calibration table
   bins those probabilities and gives, per bin, how many replies and the share the verifier
-  calls right, with the expected calibration error (ECE) and the Brier score.
+  calls right, with the expected calibration error (ECE) and the Brier score;
+- **pairs, calibrated**: the same table for the pairs' replies (half right, half wrong),
+  without the reference.
 """
 
 from __future__ import annotations
@@ -110,10 +112,10 @@ def main() -> None:
     replies = right + wrong
     truths = [q.ground_truth for q in questions] * 2
     exact = verified(verifier, replies, truths)
-    logs = [conversation(q.question, r) for q, r in zip(questions * 2, replies)]
+    pair_logs = [conversation(q.question, r) for q, r in zip(questions * 2, replies)]
     for name, metadata in [("with reference", [{"ground_truth": t} for t in truths]),
                            ("without reference", [{} for _ in truths])]:  # fmt: skip
-        scores = judge_scores(greedy, logs, metadata)
+        scores = judge_scores(greedy, pair_logs, metadata)
         agree = sum(s is not None and (s >= 0.5) == e for s, e in zip(scores, exact))
         unjudged = sum(s is None for s in scores)
         print(f"  {name}: accuracy {agree / len(scores):.3f} ({agree}/{len(scores)}), "
@@ -139,6 +141,13 @@ def main() -> None:
     print(f"  calibration ({args.samples} judgements at T=1 each):")
     print("| judge P(right) | replies | mean P | verifier: right |\n|---|---|---|---|")
     print("\n".join(calibration(probabilities, exact)))
+    print(f"held-out pairs, without reference: calibration ({args.samples} judgements at T=1):")
+    pair_truths = verified(verifier, replies, truths)
+    probabilities = [
+        s if s is not None else 0.0 for s in judge_scores(sampler, pair_logs, [{}] * len(replies))
+    ]
+    print("| judge P(right) | replies | mean P | verifier: right |\n|---|---|---|---|")
+    print("\n".join(calibration(probabilities, pair_truths)))
     for env in (greedy, sampler, verifier):
         env.shutdown()
     print(f"done in {time.monotonic() - started:.0f} s")
