@@ -15,7 +15,10 @@ On held-out arithmetic questions (:func:`envloop.demo.tasks.math_items` with
   bins those probabilities and gives, per bin, how many replies and the share the verifier
   calls right, with the expected calibration error (ECE) and the Brier score;
 - **pairs, calibrated**: the same table for the pairs' replies (half right, half wrong),
-  without the reference.
+  without the reference;
+- **groups** (``--groups N``): N held-out questions with three replies each (right, wrong, or
+  cut short), judged together in group mode (template ``group_comparison``), with and
+  without the reference: the share of replies whose score agrees with the verifier.
 """
 
 from __future__ import annotations
@@ -71,6 +74,38 @@ def policy_replies(questions: list[tasks.MathItem], seed: int) -> list[str]:
     return texts
 
 
+def group_accuracy(questions: list[tasks.MathItem], rng: random.Random, judge: dict) -> None:
+    """Print group mode's accuracy on ``questions``, three replies each."""
+    verifier = MathEnvironment({"num_workers": 1})
+    env = JudgeEnvironment(
+        {"judge": {**judge, "max_new_tokens": 128}, "mode": "group",
+         "template": "group_comparison", "group_reward": "score"}
+    )  # fmt: skip
+    logs, truths, replies = [], [], []
+    for q in questions:
+        for _ in range(3):
+            draw = rng.random()
+            reply = (
+                q.response() if draw < 0.45
+                else tasks.wrong_response(q, rng) if draw < 0.9
+                else q.response()[: rng.randint(0, q.response().index("\\boxed"))]
+            )  # fmt: skip
+            logs.append(conversation(q.question, reply))
+            replies.append(reply)
+            truths.append(q.ground_truth)
+    exact = verified(verifier, replies, truths)
+    print(f"held-out groups ({len(questions)} questions, 3 replies each, group mode):")
+    for name, metadata in [("with reference", [{"ground_truth": t} for t in truths]),
+                           ("without reference", [{} for _ in truths])]:  # fmt: skip
+        scores = judge_scores(env, logs, metadata)
+        agree = sum(s is not None and (s >= 0.5) == e for s, e in zip(scores, exact))
+        unjudged = sum(s is None for s in scores)
+        print(f"  {name}: accuracy {agree / len(scores):.3f} ({agree}/{len(scores)}), "
+              f"not judged {unjudged}")  # fmt: skip
+    env.shutdown()
+    verifier.shutdown()
+
+
 def calibration(probabilities: list[float], truths: list[bool], bins: int = 5) -> list[str]:
     """Markdown rows: per probability bin, replies, mean probability, share right; then the
     ECE and the Brier score."""
@@ -98,12 +133,15 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8, help="0: pairs only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--judge", default="bundled:judge")
+    parser.add_argument("--groups", type=int, default=0, help="questions judged in group mode")
     args = parser.parse_args()
     started = time.monotonic()
     rng = random.Random(args.seed)
     questions = rng.sample(tasks.math_items(held_out=True), args.questions)
     verifier = MathEnvironment({"num_workers": 1})
     judge = {"model_name": args.judge, "max_new_tokens": 64}
+    if args.groups:
+        group_accuracy(rng.sample(tasks.math_items(held_out=True), args.groups), rng, judge)
     greedy = JudgeEnvironment({"judge": judge})
 
     print(f"held-out pairs ({args.questions} questions, right and wrong reply each):")

@@ -3,8 +3,14 @@
     nice -n 19 .venv/bin/python scripts/train_judge.py [--steps 2000] [--batch-size 16]
         [--lr 3e-3] [--seed 0] [--kinds single_ref=0.3,single=0.7] [--out DIR] [--init DIR]
 
-The shipped weights are the defaults' (14 minutes on a shared 2-core machine; see
-docs/judge.md for the held-out accuracy and calibration).
+The shipped weights are two runs (see docs/judge.md for the held-out accuracy and
+calibration): the defaults (``--out DIR``; 14 minutes on a shared 2-core machine), then 600
+steps from those weights with group prompts added,
+
+    nice -n 19 .venv/bin/python scripts/train_judge.py --init DIR --steps 600 \
+        --kinds single_ref=0.15,single=0.35,group_ref=0.2,group=0.3
+
+(10 minutes), which keeps the single-reply accuracy and adds ``group_comparison``.
 
 The judge is the bundled policy (a 4-layer Qwen3 causal LM, 0.85 M parameters, that works
 the demo's arithmetic column by column) fine-tuned to answer the judge environment's
@@ -17,7 +23,7 @@ each step follows from the few tokens just before it:
   ``reference 085; reply 086: 00= 88= 56! no``;
 - the same without one (``single``): it works the question first,
   ``7 + 8 = 15, 3 + 4 + 1 = 8, so 085; reply 086: 00= 88= 56! no``;
-- ``group_comparison`` (``group_ref``, ``group``; 2-3 replies; not in the defaults): the
+- ``group_comparison`` (``group_ref``, ``group``; 2-3 replies; in the second run only): the
   same first part, then one line per reply, ``1: reply 086: 00= 88= 56! no``.
 
 ``reply`` is the reply's last boxed number (``none`` when it has none: ``reply none: no``).
