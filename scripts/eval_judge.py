@@ -74,6 +74,20 @@ def policy_replies(questions: list[tasks.MathItem], seed: int) -> list[str]:
     return texts
 
 
+def print_accuracy(
+    env: JudgeEnvironment, logs: list[Any], truths: list[str], exact: list[bool]
+) -> None:
+    """Print the share of ``logs``' judgements that agree with the verifier (``exact``),
+    with the reference answers (``truths``) and without."""
+    for name, metadata in [("with reference", [{"ground_truth": t} for t in truths]),
+                           ("without reference", [{} for _ in truths])]:  # fmt: skip
+        scores = judge_scores(env, logs, metadata)
+        agree = sum(s is not None and (s >= 0.5) == e for s, e in zip(scores, exact))
+        unjudged = sum(s is None for s in scores)
+        print(f"  {name}: accuracy {agree / len(scores):.3f} ({agree}/{len(scores)}), "
+              f"not judged {unjudged}")  # fmt: skip
+
+
 def group_accuracy(questions: list[tasks.MathItem], rng: random.Random, judge: dict) -> None:
     """Print group mode's accuracy on ``questions``, three replies each."""
     verifier = MathEnvironment({"num_workers": 1})
@@ -95,13 +109,7 @@ def group_accuracy(questions: list[tasks.MathItem], rng: random.Random, judge: d
             truths.append(q.ground_truth)
     exact = verified(verifier, replies, truths)
     print(f"held-out groups ({len(questions)} questions, 3 replies each, group mode):")
-    for name, metadata in [("with reference", [{"ground_truth": t} for t in truths]),
-                           ("without reference", [{} for _ in truths])]:  # fmt: skip
-        scores = judge_scores(env, logs, metadata)
-        agree = sum(s is not None and (s >= 0.5) == e for s, e in zip(scores, exact))
-        unjudged = sum(s is None for s in scores)
-        print(f"  {name}: accuracy {agree / len(scores):.3f} ({agree}/{len(scores)}), "
-              f"not judged {unjudged}")  # fmt: skip
+    print_accuracy(env, logs, truths, exact)
     env.shutdown()
     verifier.shutdown()
 
@@ -151,13 +159,7 @@ def main() -> None:
     truths = [q.ground_truth for q in questions] * 2
     exact = verified(verifier, replies, truths)
     pair_logs = [conversation(q.question, r) for q, r in zip(questions * 2, replies)]
-    for name, metadata in [("with reference", [{"ground_truth": t} for t in truths]),
-                           ("without reference", [{} for _ in truths])]:  # fmt: skip
-        scores = judge_scores(greedy, pair_logs, metadata)
-        agree = sum(s is not None and (s >= 0.5) == e for s, e in zip(scores, exact))
-        unjudged = sum(s is None for s in scores)
-        print(f"  {name}: accuracy {agree / len(scores):.3f} ({agree}/{len(scores)}), "
-              f"not judged {unjudged}")  # fmt: skip
+    print_accuracy(greedy, pair_logs, truths, exact)
 
     if args.samples == 0:  # pairs only
         greedy.shutdown()

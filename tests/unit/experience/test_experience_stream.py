@@ -163,17 +163,20 @@ def test_without_a_bound_groups_keep_the_versions_they_were_generated_with(tiny_
     assert stream.metrics()["max_version_span"] == max(spans)
 
 
+def counted_prompts(tokenizer, taken: list[int]):
+    """Four rounds of the guessing prompts, each one's position appended to ``taken`` as
+    the stream reads it."""
+    for k, row in enumerate(guess_rows(tokenizer) * 4):
+        taken.append(k)
+        yield row
+
+
 def test_backpressure_holds_admission_while_the_consumer_sleeps(tiny_tokenizer):
-    taken = []
-
-    def prompts():
-        for k, row in enumerate(guess_rows(tiny_tokenizer) * 4):
-            taken.append(k)
-            yield row
-
+    taken: list[int] = []
+    prompts = counted_prompts(tiny_tokenizer, taken)
     policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
     stream = ExperienceStream(
-        policy, prompts(), tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        policy, prompts, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
         max_concurrent_samples=4, max_buffered_groups=1,
     )  # fmt: skip
     seen = []
@@ -191,16 +194,11 @@ def test_backpressure_holds_admission_while_the_consumer_sleeps(tiny_tokenizer):
 
 
 def test_stop_admitting_yields_the_started_groups_then_ends(tiny_tokenizer):
-    taken = []
-
-    def prompts():
-        for k, row in enumerate(guess_rows(tiny_tokenizer) * 4):
-            taken.append(k)
-            yield row
-
+    taken: list[int] = []
+    prompts = counted_prompts(tiny_tokenizer, taken)
     policy = ScriptedGeneration(tiny_tokenizer, scripted_respond)
     stream = ExperienceStream(
-        policy, prompts(), tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
+        policy, prompts, tiny_tokenizer, {"guess": GuessNumberEnv()}, 512, group_size=2,
         max_concurrent_samples=6,
     )  # fmt: skip
 
