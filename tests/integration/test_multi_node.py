@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from tests.fixtures.ray_cluster import (
     ray_cluster,
     start_driver,
     start_envloop_run,
+    wait_for_files,
 )
 from tests.fixtures.resumable_runs import ledger, run_here, text_run_config, wait_for_samples
 
@@ -143,12 +143,12 @@ def test_envloop_run_on_the_cluster_places_each_task_as_configured(
 def test_a_worker_node_killed_mid_step_loses_no_sample(ray_cluster: RayCluster, tmp_path: Path):
     driver = start_driver(ray_cluster, _ROLLOUT.format(hold_dir=str(tmp_path)))
     try:
-        _wait_for(driver, tmp_path, ["placed.json"])
+        wait_for_files(driver, tmp_path, ["placed.json"])
         placement = json.loads((tmp_path / "placed.json").read_text())
         placed = placement["placed"]
         assert placement["driver"] == "node_head"
         lost = next(node for node in ("node_b", "node_a") if node in placed.values())
-        _wait_for(driver, tmp_path, [f"started-{node}" for node in placed.values()])
+        wait_for_files(driver, tmp_path, [f"started-{node}" for node in placed.values()])
         ray_cluster.nodes[lost].kill()  # its step is running: mid-rollout
         (tmp_path / "release").touch()
         out = driver_output(driver)
@@ -170,20 +170,6 @@ def test_a_worker_node_killed_mid_step_loses_no_sample(ray_cluster: RayCluster, 
         assert row["reward"] == 1.0
     assert result["metrics"]["env_error_rate"] == 0.0
     assert result["metrics"]["total_env_step_retries"] == len(lost_tasks)  # one call each
-
-
-def _wait_for(driver, folder: Path, names: list[str], timeout_s: float = 240.0) -> None:
-    """Wait until ``names`` exist in ``folder``; raises with the driver's output if it ends
-    first, or after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not all((folder / n).exists() for n in names):
-        if driver.poll() is not None:
-            driver_output(driver)  # raises with its output when it failed
-            raise AssertionError(f"the driver ended before {names} appeared in {folder}")
-        if time.monotonic() > deadline:
-            missing = [n for n in names if not (folder / n).exists()]
-            raise AssertionError(f"{missing} did not appear in {folder} within {timeout_s} s")
-        time.sleep(0.2)
 
 
 def test_the_head_node_lost_ends_the_run_resumably(

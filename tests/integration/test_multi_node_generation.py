@@ -9,7 +9,6 @@ through ``RAY_ADDRESS``), so the suite's local Ray session is untouched.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from tests.fixtures.ray_cluster import (
     driver_result,
     ray_cluster,
     start_driver,
+    wait_for_files,
 )
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -120,10 +120,10 @@ def test_a_node_lost_mid_generation_regenerates_its_workers_rows(
     script = _ROLLOUT.format(hold_dir=str(tmp_path), model_dir=str(untied_policy_dir))
     driver = start_driver(ray_cluster, script)
     try:
-        _wait_for(driver, tmp_path, ["placed.json"])
+        wait_for_files(driver, tmp_path, ["placed.json"])
         placed = json.loads((tmp_path / "placed.json").read_text())
         lost = next(node for node in ("node_b", "node_a") if node in placed)
-        _wait_for(driver, tmp_path, [f"started-{node}" for node in placed])
+        wait_for_files(driver, tmp_path, [f"started-{node}" for node in placed])
         ray_cluster.nodes[lost].kill()  # its worker holds rows mid-generation
         (tmp_path / "release").touch()
         out = driver_output(driver, timeout_s=600)
@@ -146,17 +146,3 @@ def test_a_node_lost_mid_generation_regenerates_its_workers_rows(
     assert all(len(row["tokens"]) > 1 for row in result["rows"])
     assert result["metrics"]["generation_error_rate"] == 0.0
     assert result["metrics"]["total_generation_retries"] == 2 == result["retries"]
-
-
-def _wait_for(driver, folder: Path, names: list[str], timeout_s: float = 300.0) -> None:
-    """Wait until ``names`` exist in ``folder``; raises with the driver's output if it ends
-    first, or after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not all((folder / n).exists() for n in names):
-        if driver.poll() is not None:
-            driver_output(driver)  # raises with its output when it failed
-            raise AssertionError(f"the driver ended before {names} appeared in {folder}")
-        if time.monotonic() > deadline:
-            missing = [n for n in names if not (folder / n).exists()]
-            raise AssertionError(f"{missing} did not appear in {folder} within {timeout_s} s")
-        time.sleep(0.2)
