@@ -43,6 +43,14 @@ from tests.fixtures.node_envs import node_resource
 
 init_ray(log_to_driver=False)
 register_env("node_echo", "tests.fixtures.node_envs:NodeEchoEnv", overwrite=True)
+# Until Ray's view holds every node's resource: placing an actor on a node the view lacks
+# falls back to another node (spread is soft).
+import time
+deadline = time.monotonic() + 60
+while not set(("node_head", "node_a", "node_b")).issubset(ray.available_resources()):
+    if time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
 """
 
 _PLACEMENTS = (
