@@ -155,7 +155,10 @@ def test_a_worker_node_killed_mid_step_loses_no_sample(ray_cluster: RayCluster, 
         placement = json.loads((tmp_path / "placed.json").read_text())
         placed = placement["placed"]
         assert placement["driver"] == "node_head"
-        lost = next(node for node in ("node_b", "node_a") if node in placed.values())
+        workers = [node for node in ("node_b", "node_a") if node in placed.values()]
+        if not workers:  # spread is soft: Ray may place every actor on the head at times
+            pytest.skip(f"no actor on a worker node to lose (placed: {placed})")
+        lost = workers[0]
         wait_for_files(driver, tmp_path, [f"started-{node}" for node in placed.values()])
         ray_cluster.nodes[lost].kill()  # its step is running: mid-rollout
         (tmp_path / "release").touch()
