@@ -35,6 +35,9 @@ PLACEMENTS = ("default", "spread", "resource:<name>")
 """The placements of actors envloop starts (see :func:`placement_options`)."""
 
 _spread_turns = itertools.count()
+SPREAD_MEMORY_BYTES = 1
+"""The ``memory`` a ``spread`` actor asks for, so that its request is never empty (see
+:func:`placement_options`)."""
 
 
 def check_placement(placement: str) -> str:
@@ -61,8 +64,12 @@ def placement_options(placement: str) -> dict[str, Any]:
     - ``"spread"``: a soft ``NodeAffinitySchedulingStrategy`` to the next alive node in
       turn (nodes ordered by id, one turn per actor this process places): actors are
       asked of one node after another. Soft: Ray places an actor elsewhere when its node
-      lacks the resources or has died, and (best effort, seen on a loaded machine) at
-      times when its view of the node lags.
+      lacks the resources or has died. With it goes ``memory=1`` (one byte): Ray's GCS
+      hands an actor that asks for no resource at all (``num_cpus=0``, envloop's default
+      for environments) to a random node's raylet, which then ignored the soft affinity
+      for about half of the actors on a three-node cluster here; an actor asking for
+      anything is handed to its owner's raylet, which placed every one where it was
+      asked. A ``memory`` of the caller's own replaces it.
     - ``"resource:<name>"``: ``resources={<name>: 0.001}``: only nodes that hold the custom
       resource ``<name>`` (``ray start --resources='{"<name>": 1}'``), e.g. nodes set
       aside for environments; a thousandth of a unit, so any number of actors fit there.
@@ -84,7 +91,8 @@ def placement_options(placement: str) -> dict[str, Any]:
 
         nodes = sorted(node["NodeID"] for node in ray.nodes() if node["Alive"])
         node_id = nodes[next(_spread_turns) % len(nodes)]
-        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=True)}
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=True)
+        return {"scheduling_strategy": strategy, "memory": SPREAD_MEMORY_BYTES}
     return {"resources": {placement.removeprefix("resource:"): 0.001}}
 
 
