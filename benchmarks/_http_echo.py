@@ -1,7 +1,7 @@
 """A stand-in llama.cpp server for ``server_client.py`` and ``server_fleet.py``: answers
 every ``POST /completion`` with the same 16-token reply after a fixed latency (a request for
-``n_cmpl`` completions: a list of that many, as llama-server answers), and counts the
-requests open at once.
+``n_cmpl`` completions, or listing several prompts: a list of that many answers, as
+llama-server answers), and counts the requests open at once.
 
 It runs in its own process (:func:`echo_server` starts it), so that its CPU time is not
 the client's. ``GET /props`` answers ``{"total_slots": slots}`` (``--slots``, 1 by default:
@@ -69,12 +69,15 @@ class EchoApp:
         self.open += 1
         self.peak_open = max(self.peak_open, self.open)
         try:
-            n = json.loads(await request.read()).get("n_cmpl", 1)
+            body = json.loads(await request.read())
+            prompt = body.get("prompt")
+            listed = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], list)
+            n = len(prompt) if listed else body.get("n_cmpl", 1)
             await asyncio.sleep(self.latency_s)
         finally:
             self.open -= 1
         if n not in self.replies:
-            return web.json_response({"error": f"n_cmpl {n} > {self.slots} slots"}, status=400)
+            return web.json_response({"error": f"{n} answers > {self.slots} slots"}, status=400)
         self.served += 1
         return web.Response(body=self.replies[n], content_type="application/json")
 

@@ -90,9 +90,12 @@ def prompts_for(in_flight: int, group: int) -> list[list[int]]:
     return [[(p + g) % 400 for p in PROMPT] for g in range(0, in_flight, group)]
 
 
-async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> ClientRun:
+async def send_at_once(
+    urls: list[str], in_flight: int, group: int = 1, listed: bool = False
+) -> ClientRun:
     """``in_flight`` rows at once: with ``group`` 1 each a prompt of its own (one request
-    each), else samples of prompts, ``group`` each, sent as one request per prompt."""
+    each), else samples of prompts, ``group`` each, sent as one request per prompt; or,
+    ``listed``, each row a prompt of its own, unseeded, ``group`` prompts per request."""
     config = ServerGenerationConfig(
         base_urls=urls, dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight
     )
@@ -100,8 +103,14 @@ async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> Clien
     await client.open()
     for server in client.router.servers:  # what start-up asks: the slots in /props
         await client.start(server, vision=False)
-    prompts = prompts_for(in_flight, group)
-    if group == 1:
+    prompts = prompts_for(in_flight, 1 if listed else group)
+    if listed:
+        requests = [GenerationRequest(prompt, REPLY_TOKENS, None, None) for prompt in prompts]
+        calls = [
+            client.generate_batch(requests[g : g + group], SAMPLING, range(g, g + group))
+            for g in range(0, in_flight, group)
+        ]
+    elif group == 1:
         calls = [
             client.generate(GenerationRequest(prompt, REPLY_TOKENS, None, n), SAMPLING, key=n)
             for n, prompt in enumerate(prompts)
@@ -120,21 +129,28 @@ async def send_at_once(urls: list[str], in_flight: int, group: int = 1) -> Clien
         answers = await asyncio.gather(*calls)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     await client.close()
-    results = answers if group == 1 else [r for rows in answers for r in rows]
+    results = answers if group == 1 and not listed else [r for rows in answers for r in rows]
     failed = sum(r.error is not None or len(r.tokens) != REPLY_TOKENS for r in results)
     requests = client.counts["requests"]
     return ClientRun(len(results), cpu, collector.seconds, wall, failed, requests)
 
 
-def generate_at_once(urls: list[str], in_flight: int, group: int) -> ClientRun:
+def generate_at_once(
+    urls: list[str], in_flight: int, group: int, listed: bool = False
+) -> ClientRun:
     """``in_flight`` rows, samples of prompts ``group`` each, through
-    ``ServerGeneration.generate`` (one call: input tensors in, output tensors out)."""
+    ``ServerGeneration.generate`` (one call: input tensors in, output tensors out); or,
+    ``listed``, each row a prompt of its own with ``seed: null`` (the backend lists up to
+    the servers' slots, ``group``, prompts per request)."""
     backend = ServerGeneration(
         {"base_urls": urls, "dialect": "llamacpp", "tokenizer": POLICY,
-         "max_new_tokens": REPLY_TOKENS, "max_concurrent_requests": in_flight}
+         "max_new_tokens": REPLY_TOKENS, "max_concurrent_requests": in_flight,
+         "seed": None if listed else 0}
     )  # fmt: skip
-    prompts = prompts_for(in_flight, group)
-    rows = [prompt for prompt in prompts for _ in range(group)]
+    if listed:
+        rows = prompts_for(in_flight, 1)
+    else:
+        rows = [prompt for prompt in prompts_for(in_flight, group) for _ in range(group)]
     batch = BatchedDataDict(
         input_ids=torch.tensor(rows), input_lengths=torch.tensor([len(PROMPT)] * len(rows))
     )
@@ -154,13 +170,20 @@ def generate_at_once(urls: list[str], in_flight: int, group: int) -> ClientRun:
     return ClientRun(len(rows), cpu, collector.seconds, wall, failed, requests)
 
 
+def shapes(group: int) -> list[tuple[str, int, bool]]:
+    """The client section's shapes: (through, rows per request, prompts listed)."""
+    return [("client", 1, False), ("client", group, False), ("backend", group, False),
+            ("client", group, True), ("backend", group, True)]  # fmt: skip
+
+
 def client_section(loads: list[int], group: int) -> list[str]:
     lines = [
         "Client CPU per row: one `ServerClient` over two stand-in llama.cpp servers "
         f"(other processes, {group} slots each), `in_flight` rows sent at once, "
         f"{len(PROMPT)}-token prompts, {REPLY_TOKENS} tokens back per row, server latency "
-        f"in_flight / 1000 s; each row a prompt of its own (one request per row), or "
-        f"samples of prompts, {group} each (one request per prompt), through `ServerClient` "
+        f"in_flight / 1000 s; each row a prompt of its own (one request per row), "
+        f"samples of prompts, {group} each (one request per prompt), or each row a prompt "
+        f"of its own, unseeded, {group} prompts listed per request, through `ServerClient` "
         "and through `ServerGeneration.generate` (tensors in and out, the client's thread "
         f"included); the median CPU of {REPEATS} runs (one run for one row per request "
         "past 4,096).",
@@ -173,22 +196,28 @@ def client_section(loads: list[int], group: int) -> list[str]:
         latency = max(0.1, in_flight / 1000)
         with echo_server(latency, group) as first, echo_server(latency, group) as second:
             asyncio.run(send_at_once([first, second], 64))  # warm-up
-            for through, per_request in (("client", 1), ("client", group), ("backend", group)):
+            for through, per_request, listed in shapes(group):
                 load = load_avg().split()[0]
                 repeats = 1 if per_request == 1 and in_flight > 4096 else REPEATS
                 runs = []
                 for _ in range(repeats):
                     if through == "client":
                         runs.append(
-                            asyncio.run(send_at_once([first, second], in_flight, per_request))
+                            asyncio.run(
+                                send_at_once([first, second], in_flight, per_request, listed)
+                            )
                         )
                     else:
-                        runs.append(generate_at_once([first, second], in_flight, per_request))
+                        runs.append(
+                            generate_at_once([first, second], in_flight, per_request, listed)
+                        )
                 run = sorted(runs, key=lambda r: r.cpu_s)[len(runs) // 2]
                 us = 1e6 / run.in_flight
                 name = "`ServerClient`" if through == "client" else "`ServerGeneration`"
+                rows = "prompts listed" if listed else "samples of a prompt"
                 lines.append(
-                    f"| {in_flight:,} | {name} | {per_request} | {run.requests:,} "
+                    f"| {in_flight:,} | {name} | {per_request} "
+                    f"{rows if per_request > 1 else 'prompt'} | {run.requests:,} "
                     f"| {run.cpu_s * us:,.0f} | {run.gc_s * us:,.0f} "
                     f"| {(run.cpu_s - run.gc_s) * us:,.0f} | {run.wall_s:.1f} | {run.failed} "
                     f"| {load} |"

@@ -1,8 +1,8 @@
 """A fleet of real llama-servers (the bundled policy as an f32 GGUF) behind one
 ``ServerGeneration``: start-up with the servers that answer (a dead URL and one that comes
 up later), the late one joining the routing without a restart, start-up failing only when
-none answers, and a server killed and restarted by process id under 1,024 requests in
-flight, with every sample ending (its response, or a generation error after its retries).
+none answers, and a server killed and restarted by process id under 16,384 rows in flight,
+with every sample ending (its response, or a generation error after its retries).
 
 Servers are started and killed by process id (``LlamaServer.process``); the waits for a
 server to join or to answer are bounded polls, never timing assertions.
@@ -25,10 +25,15 @@ from envloop.models.generation.server_generation import ServerGeneration
 from tests.fixtures.llama_server import LlamaServer, converted_gguf, free_port
 
 pytestmark = pytest.mark.server
-IN_FLIGHT = 1024
-"""Requests in flight in the load test: on 2 shared cores two llama-servers answer about 70
-four-token requests a second under the suite's load, so 1,024 keep the test near 30 s;
-benchmarks/server_fleet.py runs 16,384."""
+IN_FLIGHT = 16384
+"""Rows in flight in the load test, all given at once: samples of one prompt, so they go as
+requests of :data:`SLOTS` completions (1,024 requests), at most :data:`PER_SERVER` of them
+open at each server, the rest waiting in the client."""
+SLOTS = 16
+"""Each llama-server's slots in the load test (``--parallel``)."""
+PER_SERVER = 64
+"""``max_requests_per_server`` of the load test: llama-server starts a thread per open
+connection (docs/server_fleets.md)."""
 POLL_S = 60.0
 
 
@@ -111,10 +116,11 @@ def test_start_up_fails_only_when_no_server_answers():
 
 
 def test_a_server_killed_and_restarted_under_load_loses_no_sample(gguf):
-    first, second = LlamaServer(gguf).start(), LlamaServer(gguf).start()
+    first, second = LlamaServer(gguf, slots=SLOTS).start(), LlamaServer(gguf, slots=SLOTS).start()
     backend = fleet(
         [first.url, second.url], max_concurrent_requests=IN_FLIGHT, max_retries=3,
-        retry_backoff_s=0.2, request_timeout_s=120,
+        retry_backoff_s=0.2, request_timeout_s=120, max_requests_per_server=PER_SERVER,
+        max_new_tokens=2,
     )  # fmt: skip
     killed, restarted = threading.Event(), threading.Event()
 
@@ -148,8 +154,8 @@ def test_a_server_killed_and_restarted_under_load_loses_no_sample(gguf):
         slot = backend._client.router.servers[1]
         time.sleep(max(0.0, slot.down_until - time.monotonic()))
         before = stats["answered"][second.url]
-        out = backend.generate(rows(backend, 16))
-        assert out["generation_error"] == [None] * 16
+        out = backend.generate(rows(backend, 2 * SLOTS))  # two requests, one per server
+        assert out["generation_error"] == [None] * 2 * SLOTS
         assert backend.request_stats()["answered"][second.url] > before
     finally:
         backend.shutdown()

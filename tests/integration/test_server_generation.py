@@ -188,6 +188,39 @@ def test_a_prompts_samples_go_as_one_request_and_get_their_own_requests_tokens(s
     assert out["generation_error"] == [None] * len(rows)
 
 
+def test_rows_of_other_prompts_go_as_one_request_where_seeds_do_not_matter(server, policy, model):
+    def run(greedy: bool, **settings) -> tuple[BatchedDataDict, int]:
+        backend = server_policy([server.url], **settings)
+        try:
+            out = backend.generate(prompt_batch(prompts), greedy=greedy)
+            stats = backend.request_stats()
+        finally:
+            backend.shutdown()
+        assert out["generation_error"] == [None] * len(prompts)
+        return out, stats["requests"] - stats["score_requests"]
+
+    prompts = demo_prompts(policy.tokenizer, 8)
+    # greedy: 8 prompts as 2 requests of 4 (the server's slots), each row the tokens of a
+    # request of its own
+    out, requests = run(True)
+    assert requests == 2
+    for row, prompt in enumerate(prompts):
+        body = {"prompt": prompt, "n_predict": MAX_NEW_TOKENS, "temperature": 0,
+                "return_tokens": True}  # fmt: skip
+        assert generated(out, row, prompt) == server.post("/completion", body)["tokens"]
+    # unseeded sampling: listed too; each row's log-probabilities are its tokens' under
+    # the weights (teacher forcing)
+    out, requests = run(False, seed=None)
+    assert requests == 2
+    for row, prompt in enumerate(prompts):
+        tokens = generated(out, row, prompt)
+        expected = teacher_forced(model, prompt, tokens, (1.0, None, 1.0))
+        assert torch.allclose(reported(out, row, prompt), expected, atol=SAMPLED_TOLERANCE)
+    # seeded sampling: a request per row (a list would give every prompt one seed)
+    _, requests = run(False, seed=4)
+    assert requests == 8
+
+
 def echo_batch(tokenizer, count: int):
     samples = [
         {"task": "echo", "prompt": f"What is {n} + {n + 1}?", "metadata": {"reply": "Again?"}}

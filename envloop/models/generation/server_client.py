@@ -102,42 +102,76 @@ class ServerClient:
         split in halves, down to one request per row; each row's result is the one
         :meth:`generate` gives for it (same tokens, same failure rules). A request that
         fails fails or retries all its rows together."""
-        if request.budget <= 0:
+        return await self._rows([_shifted(request, j) for j in range(n)], sampling, keys, True)
+
+    async def generate_batch(
+        self, requests: Sequence[GenerationRequest], sampling: Sampling, keys: Sequence[Any]
+    ) -> list[SampleResult]:
+        """Rows of several text prompts that share a budget and stop strings, as one
+        request listing their prompts (the dialect's :meth:`~ServerDialect.batch_body`) to
+        a server that takes that many, else split in halves like :meth:`generate_group`.
+        Only for rows whose seed does not matter (greedy, or unseeded): the server samples
+        every prompt of the list with the request's one seed. A request the server rejects
+        (4xx) is sent again in halves, down to one row each, so that only the rows whose
+        prompt it rejects fail; one that fails otherwise fails or retries all its rows."""
+        return await self._rows(list(requests), sampling, keys, False)
+
+    async def _rows(
+        self, requests: list[GenerationRequest], sampling: Sampling, keys: Sequence[Any],
+        one_prompt: bool,
+    ) -> list[SampleResult]:  # fmt: skip
+        """The rows of ``requests`` (one per row, sharing their budget and stop strings;
+        ``one_prompt``: the samples of one prompt, seeds consecutive) as one request."""
+        first, n = requests[0], len(requests)
+        if first.budget <= 0:
             return [SampleResult(truncated=True) for _ in range(n)]
         body: Callable[[ServerSlot], dict[str, Any]]
         parse: Callable[[Any], Any]
         if n == 1:
-            body = functools.partial(self._body, request, sampling)
-            parse = functools.partial(self._parse, request)
+            body = functools.partial(self._body, first, sampling)
+            parse = functools.partial(self._parse, first)
+        elif one_prompt:
+            body = functools.partial(self._group_body, first, n, sampling)
+            parse = functools.partial(self.dialect.parse_group, n=n)
         else:
-            body = functools.partial(self._group_body, request, n, sampling)
+            body = functools.partial(self._batch_body, requests, sampling)
             parse = functools.partial(self.dialect.parse_group, n=n)
         try:
             replies, version = await self._call(body, keys, parse, n)
+        except RequestRejected as exc:
+            if not one_prompt and n > 1:  # maybe one prompt's fault: halves, down to it
+                return await self._halves(requests, sampling, keys, one_prompt)
+            self.counts["failed_rows"] += n
+            return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
         except GenerationFailed as exc:
             self.counts["failed_rows"] += n
             return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
         except NoServerTakes:
-            half = n // 2
-            first, second = await asyncio.gather(
-                self.generate_group(request, half, sampling, keys[:half]),
-                self.generate_group(_shifted(request, half), n - half, sampling, keys[half:]),
-            )
-            return first + second
+            return await self._halves(requests, sampling, keys, one_prompt)
         if n == 1:
             replies = [replies]
-        # the rows share their budget: the first row's request stands for each (its seed
-        # matters only to a row's follow-up requests)
-        results = [_gapless(request, reply, version) for reply in replies]
+        results = [_gapless(r, reply, version) for r, reply in zip(requests, replies)]
         gaps = [j for j, result in enumerate(results) if result is None]
         if gaps:  # rows whose reply lacks log-probabilities: follow-up requests each
             filled = await asyncio.gather(
-                *(self._row_result(_shifted(request, j), sampling, replies[j], version, keys[j])
+                *(self._row_result(requests[j], sampling, replies[j], version, keys[j])
                   for j in gaps)
             )  # fmt: skip
             for j, result in zip(gaps, filled):
                 results[j] = result
         return results  # type: ignore[return-value]
+
+    async def _halves(
+        self, requests: list[GenerationRequest], sampling: Sampling, keys: Sequence[Any],
+        one_prompt: bool,
+    ) -> list[SampleResult]:  # fmt: skip
+        """The rows of ``requests`` as two requests, each half of them."""
+        half = len(requests) // 2
+        halves = await asyncio.gather(
+            self._rows(requests[:half], sampling, keys[:half], one_prompt),
+            self._rows(requests[half:], sampling, keys[half:], one_prompt),
+        )
+        return halves[0] + halves[1]
 
     async def _row_result(
         self, request: GenerationRequest, sampling: Sampling, reply: Reply, version: int,
@@ -161,6 +195,11 @@ class ServerClient:
         self, request: GenerationRequest, n: int, sampling: Sampling, server: ServerSlot
     ) -> dict[str, Any]:
         return self.dialect.group_body(request, n, sampling, server.media)
+
+    def _batch_body(
+        self, requests: list[GenerationRequest], sampling: Sampling, server: ServerSlot
+    ) -> dict[str, Any]:
+        return self.dialect.batch_body(requests, sampling, server.media)
 
     def _parse(self, request: GenerationRequest, payload: Any) -> Reply:
         return _counted(self.dialect.parse(payload), request, self.dialect.image_count_fix)
@@ -280,7 +319,7 @@ class ServerClient:
         if status == 429 or status >= 500:
             raise RetryableFailure(f"HTTP {status}: {text[:300]}")
         if status != 200:
-            raise GenerationFailed(f"{url} rejected the request: HTTP {status}: {text[:500]}")
+            raise RequestRejected(f"{url} rejected the request: HTTP {status}: {text[:500]}")
         try:
             return json.loads(text)
         except json.JSONDecodeError:
@@ -305,6 +344,12 @@ class ServerClient:
         return await self.dialect.fill_logprobs(
             request, sampling, reply, follow_up, self.vocab_size
         )
+
+
+class RequestRejected(GenerationFailed):
+    """The server answered the request with a 4xx status (other than 429): the request is
+    at fault, and sending it again would not help. A request listing several prompts is
+    sent again in halves, so that only the rows of a prompt at fault fail."""
 
 
 def _gapless(request: GenerationRequest, reply: Reply, version: int) -> SampleResult | None:

@@ -55,7 +55,8 @@ class ServerGenerationConfig(Config):
     """Keep only the k most likely tokens; None: all."""
     seed: Annotated[int, Field(ge=0)] | None = 0
     """Base of each request's sampling seed (request ``n`` of this backend gets a seed
-    derived from it and ``n``; a retried request keeps its seed); None: unseeded."""
+    derived from it and ``n``; a retried request keeps its seed); None: unseeded (llama.cpp
+    rows of other prompts may then share a request, as greedy rows always may)."""
     max_new_tokens: Annotated[int, Field(ge=1)] = 512
     """Most tokens generated per sample and turn; a sample's remaining ``max_seq_len`` may
     lower it."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
 from typing import Any
 
 from envloop.data.multimodal_utils import PackedTensor
@@ -81,7 +81,9 @@ class ServerGeneration(GenerationInterface):
     Samples of one prompt (consecutive rows with the same text prompt, budget and stop
     strings) go as one request for several completions where a server takes it
     (llama.cpp: up to its slots), each row with its own seed: the same tokens as a request
-    per row, at a fraction of the client's CPU (docs/server_fleets.md).
+    per row, at a fraction of the client's CPU (docs/server_fleets.md). Where seeds do not
+    matter (greedy decoding, or ``seed: None``), rows of different prompts with one budget
+    and stop strings go as one request listing their prompts.
 
     Images: a batch may carry an ``images`` column, one entry per row (None, or the row's
     PIL images in the order of its image placeholder spans), beside its vision columns
@@ -247,11 +249,16 @@ class ServerGeneration(GenerationInterface):
         list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]],
     ]:  # fmt: skip
         """The batch's columns and, for each group of rows sent together, its first row
-        and the call that gives the group's results in row order: consecutive text rows
-        with the same prompt, budget and stop strings (a prompt's samples) go as one
-        request for several completions, up to what every joined server takes
-        (``ServerRouter.group_size``: llama.cpp's slots), each row with its own seed, so
-        each row gets the tokens a request of its own would give."""
+        and the call that gives the group's results in row order, up to what every joined
+        server takes (``ServerRouter.group_size``: llama.cpp's slots):
+
+        - consecutive text rows with the same prompt, budget and stop strings (a prompt's
+          samples) go as one request for several completions, each row with its own seed,
+          so each row gets the tokens a request of its own would give;
+        - where seeds do not matter (greedy decoding, or ``seed: null``), consecutive text
+          rows of other prompts with one budget and stop strings go as one request
+          listing their prompts (the server samples them all with one seed, which a
+          seeded run must not do: its rows go one request each)."""
         check_generation_input(data, self.vocab_size)
         images = self._row_images(data)
         batch = generation_columns(data)
@@ -262,32 +269,30 @@ class ServerGeneration(GenerationInterface):
             self.config.temperature, self.config.top_p, self.config.top_k, greedy=greedy
         )
         limit = self._client.router.group_size()
-        groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
-        first, group = 0, None
+        runs: list[list[GenerationRequest]] = []  # a prompt's samples each
         for row, (ids, length, budget, stop) in enumerate(
             zip(batch["input_ids"].tolist(), batch["input_lengths"].tolist(), budgets, stops)
         ):  # the tensors as lists once per batch, not per row
             prompt = ids[:length]
             media = images(row, prompt) if images is not None else None
             request = GenerationRequest(prompt, budget, stop, self._next_seed(), media)
-            if (
-                group is not None
-                and row - first < limit
-                and _same_prompt(group, request, row - first)
-            ):
-                continue
-            if group is not None:
-                groups.append((first, self._group_call(group, first, row, sampling, keys)))
-            first, group = row, request
-        if group is not None:
-            groups.append((first, self._group_call(group, first, len(budgets), sampling, keys)))
+            run = runs[-1] if runs else None
+            if run is not None and len(run) < limit and _same_prompt(run[0], request, len(run)):
+                run.append(request)
+            else:
+                runs.append([request])
+        seedless = greedy or self.config.seed is None
+        groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
+        first = 0
+        for group, one_prompt in _listed(runs, limit) if seedless else ((r, True) for r in runs):
+            rows = slice(first, first + len(group))
+            if one_prompt:
+                call = self._client.generate_group(group[0], len(group), sampling, keys[rows])
+            else:
+                call = self._client.generate_batch(group, sampling, keys[rows])
+            groups.append((first, call))
+            first += len(group)
         return batch, groups
-
-    def _group_call(
-        self, request: GenerationRequest, start: int, stop: int, sampling: Sampling,
-        keys: list[Any],
-    ) -> Coroutine[Any, Any, list[SampleResult]]:  # fmt: skip
-        return self._client.generate_group(request, stop - start, sampling, keys[start:stop])
 
     def _row_images(self, data: BatchedDataDict[GenerationDatumSpec]) -> Any:
         """A function of (row, prompt) giving the row's request images, or None when the
@@ -384,6 +389,30 @@ class ServerGeneration(GenerationInterface):
             self._client, _probe_token(self.tokenizer), vision, self.config.tokenizer
         )
         return await self._fleet.start(self.config.startup_timeout_s)
+
+
+def _listed(
+    runs: list[list[GenerationRequest]], limit: int
+) -> Iterator[tuple[list[GenerationRequest], bool]]:
+    """``runs`` (a prompt's samples each) as the groups sent together where seeds do not
+    matter, each with whether it is one prompt's samples: runs of one row in a row with
+    the same budget and stop strings and no images join into lists of up to ``limit``
+    prompts; longer runs stay one prompt's (its prompt is then processed once)."""
+    listed: list[GenerationRequest] = []
+    for run in runs:
+        request = run[0]
+        joins = len(run) == 1 and request.images is None and len(listed) < limit
+        if listed and not (
+            joins and request.budget == listed[0].budget and request.stops == listed[0].stops
+        ):
+            yield listed, len(listed) == 1
+            listed = []
+        if len(run) == 1 and request.images is None:
+            listed.append(request)
+        else:
+            yield run, True
+    if listed:
+        yield listed, len(listed) == 1
 
 
 def _same_prompt(first: GenerationRequest, request: GenerationRequest, j: int) -> bool:

@@ -166,9 +166,21 @@ class ServerDialect:
         ``parallel`` to ``n`` or more (it stays 1 for a dialect that cannot)."""
         raise NotImplementedError(f"the {self.name} dialect sends one completion per request")
 
+    def batch_body(
+        self, requests: list[GenerationRequest], sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """The body of one request listing the text prompts of ``requests`` (one budget,
+        one set of stop strings), prompt ``j`` answered as a request of its own with the
+        first request's seed would be (callers send only rows whose seed does not
+        matter). Only called where :meth:`start` set the server's ``parallel`` to
+        ``len(requests)`` or more."""
+        raise NotImplementedError(f"the {self.name} dialect sends one prompt per request")
+
     def parse_group(self, payload: Any, n: int) -> list[Reply]:
-        """The ``n`` replies in the answer to a :meth:`group_body` request, completion
-        ``j`` at index ``j``; raises :class:`MalformedReply` when it lacks one."""
+        """The ``n`` replies in the answer to a :meth:`group_body` or :meth:`batch_body`
+        request, completion or prompt ``j`` at index ``j``; raises
+        :class:`MalformedReply` when it lacks one."""
         raise NotImplementedError(f"the {self.name} dialect sends one completion per request")
 
     def probe_body(self, token_id: int) -> dict[str, Any]:

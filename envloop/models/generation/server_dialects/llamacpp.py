@@ -124,9 +124,23 @@ class LlamaCppDialect(ServerDialect):
             raise ValueError("a llama.cpp request for several completions takes no images")
         return {**self.body(request, sampling, media), "n_cmpl": n}
 
+    def batch_body(
+        self, requests: list[GenerationRequest], sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`body` of the first request with ``prompt`` the list of every request's
+        token ids: llama-server answers each prompt in a slot of its own, all with the
+        body's one seed (a random one per prompt when unseeded)."""
+        first = requests[0]
+        if any(r.images is not None for r in requests):
+            raise ValueError("a llama.cpp request listing several prompts takes no images")
+        if any(r.budget != first.budget or r.stops != first.stops for r in requests):
+            raise ValueError("the prompts of one llama.cpp request share a budget and stops")
+        return {**self.body(first, sampling, media), "prompt": [r.prompt for r in requests]}
+
     def parse_group(self, payload: Any, n: int) -> list[Reply]:
-        """The answer to :meth:`group_body` is a list of ``n`` answers, ordered by their
-        ``index`` (0: the seed's, j: seed + j)."""
+        """The answer to :meth:`group_body` or :meth:`batch_body` is a list of ``n``
+        answers, ordered by their ``index`` (completion j: seed + j; prompt j)."""
         if not isinstance(payload, list) or len(payload) != n:
             got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
             raise MalformedReply(f"asked for {n} completions, got {got}")

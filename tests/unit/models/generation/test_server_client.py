@@ -458,3 +458,72 @@ def test_a_group_answer_with_too_few_completions_is_retried():
     results, client, _ = run_group(2, 2, answer_ok, group_answer(2))
     assert results == [row_result(0), row_result(1)]
     assert client.counts == counts(requests=2, retries=1)
+
+
+async def list_answer(body: dict[str, Any]) -> web.Response:
+    """llama-server's answer to a request listing prompts: prompt ``j`` (its first token
+    ``p``) gives the tokens ``[p, 2]``."""
+    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+    answers = [
+        {**completion([prompt[0], 2], [0.5, 1.0]), "index": j} for j, prompt in enumerate(prompts)
+    ]
+    return web.json_response(answers if len(answers) > 1 else answers[0])
+
+
+def run_batch(
+    n: int, parallel: int, *script: Answer
+) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
+    """``n`` unseeded rows of prompts ``[40 + j, 1]`` as one list against a server
+    answering with ``script`` and taking ``parallel`` prompts per request."""
+    requests = [GenerationRequest([40 + j, 1], 12, None, None) for j in range(n)]
+
+    async def scenario() -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
+        async with serving(*script) as server:
+            client = make_client(server.url)
+            client.router.servers[0].parallel = parallel
+            await client.open()
+            try:
+                keys = [f"sample-{j}" for j in range(n)]
+                return await client.generate_batch(requests, SAMPLED, keys), client, server
+            finally:
+                await client.close()
+
+    return asyncio.run(scenario())
+
+
+def listed_result(j: int) -> SampleResult:
+    return SampleResult([40 + j, 2], [math.log(0.5), 0.0], truncated=False, versions=[0, 0])
+
+
+def test_rows_of_several_prompts_go_as_one_request_listing_them():
+    results, client, server = run_batch(3, 4, list_answer)
+    assert results == [listed_result(j) for j in range(3)]
+    assert client.counts == counts(requests=1, retries=0)
+    assert [body["prompt"] for body in server.bodies] == [[[40, 1], [41, 1], [42, 1]]]
+    assert server.bodies[0]["seed"] == 0xFFFFFFFF  # unseeded: llama.cpp draws one per prompt
+
+
+def test_a_list_longer_than_the_servers_slots_is_split_in_halves():
+    results, _, server = run_batch(5, 2, list_answer)
+    assert results == [listed_result(j) for j in range(5)]
+    sent = sorted(tuple(p[0] for p in body["prompt"]) if isinstance(body["prompt"][0], list)
+                  else (body["prompt"][0],) for body in server.bodies)  # fmt: skip
+    assert sent == [(40, 41), (42,), (43, 44)]  # halves: 2 + 3, then 1 + 2
+
+
+async def rejects_prompt_42(body: dict[str, Any]) -> web.Response:
+    """:func:`list_answer`, except that a request holding the prompt ``[42, 1]`` is
+    rejected (HTTP 400, as llama-server rejects a prompt longer than its context)."""
+    prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+    if [42, 1] in prompts:
+        return web.json_response({"error": {"code": 400, "message": "too long"}}, status=400)
+    return await list_answer(body)
+
+
+def test_a_rejected_list_is_sent_again_in_halves_and_fails_only_the_rejected_prompt():
+    results, client, _ = run_batch(4, 4, rejects_prompt_42)
+    assert [r.tokens for r in results] == [[40, 2], [41, 2], [], [43, 2]]
+    assert "rejected the request: HTTP 400" in str(results[2].error)
+    assert [r.error for r in (results[0], results[1], results[3])] == [None] * 3
+    # 4 rows, then halves of 2 (one rejected), then that half's rows one each
+    assert client.counts == counts(requests=5, retries=0, failed_rows=1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from envloop.models.generation.server_dialects import GenerationRequest
-from envloop.models.generation.server_generation import _same_prompt
+from envloop.models.generation.server_generation import _listed, _same_prompt
 from envloop.models.generation.server_media import RequestImages
 
 FIRST = GenerationRequest([5, 6, 7], 8, ["</a>"], 40)
@@ -37,3 +37,20 @@ def test_unseeded_samples_group_and_rows_with_images_never_do():
     with_images = GenerationRequest([5, 6, 7], 8, None, None, images)
     assert not _same_prompt(with_images, with_images, 1)
     assert not _same_prompt(unseeded, with_images, 1)
+
+
+def test_where_seeds_do_not_matter_single_rows_of_one_budget_join_into_lists():
+    a, b, c, d = (GenerationRequest([p, 1], 8, None, None) for p in (5, 6, 7, 8))
+    other_budget = GenerationRequest([9, 1], 4, None, None)
+    images = RequestImages(png=(b"\x89PNG",), spans=((0, 1),))
+    pictured = GenerationRequest([3, 1], 8, None, None, images)
+    runs = [[a], [b], [c, c, c], [d], [other_budget], [pictured], [a], [b], [c], [d]]
+    assert list(_listed(runs, 3)) == [
+        ([a, b], False),  # two prompts' rows: one request listing them
+        ([c, c, c], True),  # a prompt's samples stay one request for several completions
+        ([d], True),  # alone: the next row has another budget
+        ([other_budget], True),
+        ([pictured], True),  # rows with images go one request each
+        ([a, b, c], False),  # up to the limit
+        ([d], True),
+    ]

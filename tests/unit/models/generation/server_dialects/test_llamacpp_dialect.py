@@ -365,6 +365,16 @@ def test_llamacpp_group_body_asks_for_n_completions_of_the_rows_body():
     assert body["seed"] == REQUEST.seed  # completion j: seed + j, llama-server's child tasks
 
 
+def test_llamacpp_batch_body_lists_the_rows_prompts_in_the_first_rows_body():
+    dialect = LlamaCppDialect()
+    other = GenerationRequest([9, 8], REQUEST.budget, REQUEST.stops, None)
+    body = dialect.batch_body([REQUEST, other], GREEDY)
+    assert body == {**dialect.body(REQUEST, GREEDY), "prompt": [REQUEST.prompt, [9, 8]]}
+    longer = GenerationRequest([9, 8], REQUEST.budget + 1, REQUEST.stops, None)
+    with pytest.raises(ValueError, match="share a budget and stops"):
+        dialect.batch_body([REQUEST, longer], GREEDY)
+
+
 def test_llamacpp_parse_group_reads_the_answers_in_index_order():
     answers = [
         {**llama_answer([7 + j], [entry(7 + j, "x", 0.5)], "limit", "x"), "index": j}
