@@ -100,8 +100,10 @@ class ServerClient:
         with seed ``request.seed + j`` (``keys``: their sample keys), as one request for
         ``n`` completions to a server that takes that many (``ServerSlot.parallel``), else
         split in halves, down to one request per row; each row's result is the one
-        :meth:`generate` gives for it (same tokens, same failure rules). A request that
-        fails fails or retries all its rows together."""
+        :meth:`generate` gives for it (same tokens, same failure rules). A request the
+        server rejects (4xx, e.g. a server restarted with fewer slots than it listed) is
+        sent again in halves, down to one row each; one that fails otherwise fails or
+        retries all its rows together."""
         return await self._rows([_shifted(request, j) for j in range(n)], sampling, keys, True)
 
     async def generate_batch(
@@ -139,7 +141,7 @@ class ServerClient:
         try:
             replies, version = await self._call(body, keys, parse, n)
         except RequestRejected as exc:
-            if not one_prompt and n > 1:  # maybe one prompt's fault: halves, down to it
+            if n > 1:  # a prompt of a list at fault, or a server restarted with fewer slots
                 return await self._halves(requests, sampling, keys, one_prompt)
             self.counts["failed_rows"] += n
             return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
@@ -348,8 +350,9 @@ class ServerClient:
 
 class RequestRejected(GenerationFailed):
     """The server answered the request with a 4xx status (other than 429): the request is
-    at fault, and sending it again would not help. A request listing several prompts is
-    sent again in halves, so that only the rows of a prompt at fault fail."""
+    at fault, and sending it again as it is would not help. A request for several rows is
+    sent again in halves, so that only the rows at fault fail (a prompt of a list, or
+    completions beyond the slots of a server restarted with fewer)."""
 
 
 def _gapless(request: GenerationRequest, reply: Reply, version: int) -> SampleResult | None:

@@ -451,7 +451,21 @@ def test_a_group_retries_together_and_fails_together():
     results, client, _ = run_group(2, 2, too_long)
     assert [r.tokens for r in results] == [[], []]
     assert all("rejected the request: HTTP 400" in str(r.error) for r in results)
-    assert client.counts == counts(requests=1, retries=0, failed_rows=2)
+    # rejected: sent again as one request per row, each rejected too
+    assert client.counts == counts(requests=3, retries=0, failed_rows=2)
+
+
+def test_a_group_rejected_by_a_server_now_with_fewer_slots_is_sent_in_halves():
+    async def two_slots(body: dict[str, Any]) -> web.Response:  # restarted with 2 of 4
+        if body.get("n_cmpl", 1) > 2:
+            return web.json_response({"error": {"code": 400, "message": "n_cmpl"}}, status=400)
+        return await group_answer(2)(body)
+
+    results, client, server = run_group(4, 4, two_slots)
+    assert results == [row_result(j) for j in range(4)]
+    assert (server.bodies[0]["seed"], server.bodies[0]["n_cmpl"]) == (5, 4)
+    assert sorted((b["seed"], b["n_cmpl"]) for b in server.bodies[1:]) == [(5, 2), (7, 2)]
+    assert client.counts == counts(requests=3, retries=0)
 
 
 def test_a_group_answer_with_too_few_completions_is_retried():
