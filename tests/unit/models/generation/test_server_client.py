@@ -405,11 +405,12 @@ def group_answer(n: int) -> Answer:
     return answer
 
 
-def run_group(
-    n: int, parallel: int, *script: Answer
-) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
-    """``n`` rows of :data:`REQUEST` as one group against a server answering with
-    ``script`` and taking ``parallel`` completions per request."""
+def run_rows(
+    send: Callable[[ServerClient, list[str]], Awaitable[list[SampleResult]]], n: int,
+    parallel: int, *script: Answer,
+) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:  # fmt: skip
+    """``send(client, keys)`` for ``n`` rows against a server answering with ``script`` and
+    taking ``parallel`` rows per request."""
 
     async def scenario() -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
         async with serving(*script) as server:
@@ -417,12 +418,21 @@ def run_group(
             client.router.servers[0].parallel = parallel
             await client.open()
             try:
-                keys = [f"sample-{j}" for j in range(n)]
-                return await client.generate_group(REQUEST, n, SAMPLED, keys), client, server
+                return await send(client, [f"sample-{j}" for j in range(n)]), client, server
             finally:
                 await client.close()
 
     return asyncio.run(scenario())
+
+
+def run_group(
+    n: int, parallel: int, *script: Answer
+) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
+    """``n`` rows of :data:`REQUEST` as one group (:func:`run_rows`)."""
+    return run_rows(
+        lambda client, keys: client.generate_group(REQUEST, n, SAMPLED, keys), n, parallel,
+        *script,
+    )  # fmt: skip
 
 
 def row_result(j: int) -> SampleResult:
@@ -487,22 +497,12 @@ async def list_answer(body: dict[str, Any]) -> web.Response:
 def run_batch(
     n: int, parallel: int, *script: Answer
 ) -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
-    """``n`` unseeded rows of prompts ``[40 + j, 1]`` as one list against a server
-    answering with ``script`` and taking ``parallel`` prompts per request."""
+    """``n`` unseeded rows of prompts ``[40 + j, 1]`` as one list (:func:`run_rows`)."""
     requests = [GenerationRequest([40 + j, 1], 12, None, None) for j in range(n)]
-
-    async def scenario() -> tuple[list[SampleResult], ServerClient, ScriptedServer]:
-        async with serving(*script) as server:
-            client = make_client(server.url)
-            client.router.servers[0].parallel = parallel
-            await client.open()
-            try:
-                keys = [f"sample-{j}" for j in range(n)]
-                return await client.generate_batch(requests, SAMPLED, keys), client, server
-            finally:
-                await client.close()
-
-    return asyncio.run(scenario())
+    return run_rows(
+        lambda client, keys: client.generate_batch(requests, SAMPLED, keys), n, parallel,
+        *script,
+    )  # fmt: skip
 
 
 def listed_result(j: int) -> SampleResult:
