@@ -140,12 +140,10 @@ class ServerClient:
             parse = functools.partial(self.dialect.parse_group, n=n)
         try:
             replies, version = await self._call(body, keys, parse, n)
-        except RequestRejected as exc:
-            if n > 1:  # a prompt of a list at fault, or a server restarted with fewer slots
-                return await self._halves(requests, sampling, keys, one_prompt)
-            self.counts["failed_rows"] += n
-            return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
         except GenerationFailed as exc:
+            if isinstance(exc, RequestRejected) and n > 1:
+                # a prompt of a list at fault, or a server restarted with fewer slots
+                return await self._halves(requests, sampling, keys, one_prompt)
             self.counts["failed_rows"] += n
             return [SampleResult(truncated=False, error=str(exc)) for _ in range(n)]
         except NoServerTakes:
@@ -376,7 +374,10 @@ def _row_tokens(
 
 
 def _shifted(request: GenerationRequest, j: int) -> GenerationRequest:
-    """``request`` with its seed moved on by ``j`` (unseeded stays unseeded)."""
+    """``request`` with its seed moved on by ``j`` (unseeded stays unseeded; ``j`` 0: the
+    request itself)."""
+    if j == 0:
+        return request
     seed = None if request.seed is None else request.seed + j
     return GenerationRequest(request.prompt, request.budget, request.stops, seed, request.images)
 

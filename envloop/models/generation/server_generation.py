@@ -401,13 +401,14 @@ def _listed(
     listed: list[GenerationRequest] = []
     for run in runs:
         request = run[0]
-        joins = len(run) == 1 and request.images is None and len(listed) < limit
+        single = len(run) == 1 and request.images is None
         if listed and not (
-            joins and request.budget == listed[0].budget and request.stops == listed[0].stops
-        ):
+            single and len(listed) < limit
+            and request.budget == listed[0].budget and request.stops == listed[0].stops
+        ):  # fmt: skip
             yield listed, len(listed) == 1
             listed = []
-        if len(run) == 1 and request.images is None:
+        if single:
             listed.append(request)
         else:
             yield run, True
