@@ -81,8 +81,8 @@ def test_a_fleet_starts_with_the_servers_that_answer_and_the_others_join_when_up
             (warning,) = caught
             message = str(warning.message)
             assert message.startswith("Starting with 1 of 3 server(s); not answering yet: ")
-            assert f"{dead} (ClientConnectorError" in message
-            assert f"{late.url} (ClientConnectorError" in message
+            assert f"{dead} (ConnectionRefusedError" in message
+            assert f"{late.url} (ConnectionRefusedError" in message
             assert backend.request_stats()["joined"] == [live.url]
 
             out = backend.generate(rows(backend, 8))
@@ -111,7 +111,7 @@ def test_start_up_fails_only_when_no_server_answers():
     lines = str(error.value).splitlines()
     assert lines[0] == "No server answered a llamacpp probe request within startup_timeout_s=0.5 s:"
     for url, line in zip(dead, lines[1:3]):
-        assert line.startswith(f"  - {url} did not answer (last: ClientConnectorError")
+        assert line.startswith(f"  - {url} did not answer (last: ConnectionRefusedError")
     assert lines[3] == "Start the servers, fix base_urls, or raise startup_timeout_s."
 
 

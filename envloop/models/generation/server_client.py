@@ -1,8 +1,10 @@
-"""Requests to inference servers over one pooled async HTTP client, with retries.
+"""Requests to inference servers over kept-alive connections, with retries.
 
-aiohttp's connection pool hands out a free connection in constant time, so the client's cost
-per request does not grow with the number in flight (``benchmarks/server_client.py``
-measures it); a semaphore bounds the requests in flight over all servers. A request that
+Each server's requests go over its own :class:`~http_connections.HttpConnections`: a
+connection is handed to the next request when its answer is read, so the client's cost per
+request does not grow with the number in flight (``benchmarks/server_fleet.py client``
+measures it); a semaphore bounds the requests in flight over all servers, and
+``max_requests_per_server`` those at one server, which bounds its open connections. A request that
 cannot reach its server (refused connection, reset, timeout), gets a 5xx or 429 answer, or
 gets an answer the dialect cannot read is retried after an exponential backoff with full
 jitter, on whichever server the router picks then; after ``max_retries`` retries only that
@@ -23,9 +25,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import aiohttp
-
 from envloop.models.generation.decode_loop import SampleResult
+from envloop.models.generation.http_connections import HttpConnections
 from envloop.models.generation.server_config import ServerGenerationConfig
 from envloop.models.generation.server_dialects import (
     ControlRequest,
@@ -60,7 +61,7 @@ class ServerClient:
         self.router = ServerRouter(config.base_urls, base_set_aside_s=config.retry_backoff_s)
         self.counts = {"requests": 0, "retries": 0, "failed_rows": 0, "score_requests": 0}
         self.version = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._connections: dict[str, HttpConnections] = {}
         self._slots: asyncio.Semaphore | None = None
         self._server_slots: dict[str, asyncio.Semaphore] = {}
         self._gate: AttemptGate | None = None
@@ -68,11 +69,12 @@ class ServerClient:
         self._last_reload: WeightReload | None = None
 
     async def open(self) -> None:
-        """Create the HTTP session and the concurrency bound on the running loop."""
+        """Create each server's connections and the concurrency bounds on the running
+        loop."""
         limit = self.config.max_concurrent_requests
-        connector = aiohttp.TCPConnector(limit=limit, limit_per_host=0, ttl_dns_cache=300)
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self._connections = {
+            server.url: HttpConnections(server.url) for server in self.router.servers
+        }
         self._slots = asyncio.Semaphore(limit)
         per_server = self.config.max_requests_per_server
         self._server_slots = {
@@ -82,8 +84,8 @@ class ServerClient:
         self._reloading = asyncio.Lock()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for connections in self._connections.values():
+            connections.close()
 
     async def generate(
         self, request: GenerationRequest, sampling: Sampling, key: Any = None
@@ -244,13 +246,13 @@ class ServerClient:
     async def control(self, server: ServerSlot, request: ControlRequest) -> None:
         """``POST`` one weight-update request to ``server``; raises :class:`ControlFailed`
         unless it answers HTTP 200 without ``"success": false``."""
-        assert self._session is not None
-        url, what = server.url + request.path, f"POST {request.path}"
-        data = None if request.body is None else json.dumps(request.body)
-        headers = None if data is None else _JSON
+        what = f"POST {request.path}"
+        data = None if request.body is None else json.dumps(request.body).encode()
         try:
-            async with self._session.post(url, data=data, headers=headers) as reply:
-                text, status = await reply.text(), reply.status
+            status, raw = await self._connections[server.url].request(
+                "POST", request.path, data, self.config.request_timeout_s
+            )
+            text = raw.decode("utf-8", "replace")
         except _UNREACHABLE as exc:
             reason = _describe(exc, self.config.request_timeout_s)
             raise ControlFailed(f"{what}: {reason}") from None
@@ -259,14 +261,26 @@ class ServerClient:
 
     async def get_json(self, url: str) -> Any:
         """GET ``url``'s JSON; a server not (yet) answering raises :class:`RetryableFailure`."""
-        assert self._session is not None
+        server_url = next((u for u in self._connections if url.startswith(u + "/")), None)
+        if server_url is None:  # not a server's: a connection of its own
+            connections, path = HttpConnections(url), ""
+        else:
+            connections, path = self._connections[server_url], url[len(server_url) :]
         try:
-            async with self._session.get(url) as response:
-                if response.status != 200:
-                    raise RetryableFailure(f"GET {url}: HTTP {response.status}")
-                return await response.json(content_type=None)
+            status, raw = await connections.request(
+                "GET", path, None, self.config.request_timeout_s
+            )
         except _UNREACHABLE as exc:
             raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
+        finally:
+            if server_url is None:
+                connections.close()
+        if status != 200:
+            raise RetryableFailure(f"GET {url}: HTTP {status}")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise MalformedReply(f"GET {url}: the answer is not JSON: {raw[:200]!r}") from None
 
     async def _call(
         self, body: Callable[[ServerSlot], dict[str, Any]], keys: Sequence[Any], parse: Any,
@@ -307,23 +321,25 @@ class ServerClient:
         raise AssertionError("unreachable")
 
     async def _post(self, server: ServerSlot, path: str, body: dict[str, Any]) -> Any:
-        assert self._session is not None and self._slots is not None
-        url = server.url + path
+        assert self._slots is not None
+        data = json.dumps(body).encode()
         async with self._server_slots[server.url], self._slots:
             try:
-                async with self._session.post(url, data=json.dumps(body), headers=_JSON) as reply:
-                    text = await reply.text()
-                    status = reply.status
+                status, raw = await self._connections[server.url].request(
+                    "POST", path, data, self.config.request_timeout_s
+                )
             except _UNREACHABLE as exc:
                 raise RetryableFailure(_describe(exc, self.config.request_timeout_s)) from None
         if status == 429 or status >= 500:
-            raise RetryableFailure(f"HTTP {status}: {text[:300]}")
+            raise RetryableFailure(f"HTTP {status}: {_text(raw, 300)}")
         if status != 200:
-            raise RequestRejected(f"{url} rejected the request: HTTP {status}: {text[:500]}")
+            raise RequestRejected(
+                f"{server.url + path} rejected the request: HTTP {status}: {_text(raw, 500)}"
+            )
         try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            raise MalformedReply(f"answer is not JSON: {text[:200]!r}") from None
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise MalformedReply(f"answer is not JSON: {_text(raw, 200)!r}") from None
 
     def _backoff(self, attempt: int) -> float:
         """Full jitter: uniform in [0, base * 2^attempt], capped."""
@@ -395,8 +411,7 @@ def _counted(reply: Reply, request: GenerationRequest, fix: str) -> Reply:
     return reply
 
 
-_JSON = {"Content-Type": "application/json"}
-_UNREACHABLE = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+_UNREACHABLE = (asyncio.TimeoutError, OSError)
 """What a request raises when its server cannot be reached or does not answer in time."""
 
 
@@ -404,3 +419,8 @@ def _describe(exc: BaseException, timeout_s: float) -> str:
     if isinstance(exc, asyncio.TimeoutError):
         return f"no answer within request_timeout_s={timeout_s:g} s"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _text(raw: bytes, limit: int) -> str:
+    """The first ``limit`` characters of an answer's body, for an error message."""
+    return raw[: limit * 4].decode("utf-8", "replace")[:limit]

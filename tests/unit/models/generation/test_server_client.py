@@ -246,7 +246,7 @@ def test_a_refused_connection_is_retried_then_fails_the_row():
     port = url.rsplit(":", 1)[1]
     assert result.error.startswith(
         f"generation failed after 3 attempt(s); last: {url}/completion: "
-        f"ClientConnectorError: Cannot connect to host 127.0.0.1:{port}"
+        f"ConnectionRefusedError: cannot connect to 127.0.0.1:{port}: Connection refused"
     )
     assert client.counts == counts(requests=3, retries=2, failed_rows=1)
 
