@@ -11,7 +11,9 @@ tokens and log-probabilities as in a real run, in two shapes side by side: every
 different prompt (one request per row), and the rows as samples of prompts, ``--group``
 samples each (consecutive seeds), which the client sends as one request for that many
 completions (``ServerClient.generate_group``; the servers' slots allow it, read from
-``/props`` as at start-up). "client CPU" is this process's CPU time
+``/props`` as at start-up); and each row a prompt of its own again, with at most
+``KEPT_OPEN`` requests open at each server (``max_requests_per_server``), so that
+connections are reused instead of one opened per row. "client CPU" is this process's CPU time
 (``time.process_time``) over the rows, and the cyclic garbage collector's share of it is
 measured apart (``gc.callbacks``); the process-wide GC settings are left as they are.
 
@@ -70,6 +72,11 @@ REPEATS = 3
 """Runs of each client measurement (the median's CPU is reported); one-row-per-request runs
 past 4,096 in flight run once (about 80 s each here)."""
 PER_SERVER = 64
+KEPT_OPEN = 128
+"""``max_requests_per_server`` of the client section's kept-alive shape: each row a prompt
+of its own, at most this many open at each stand-in server (answering after
+:data:`KEPT_LATENCY`), so that connections are kept alive and reused."""
+KEPT_LATENCY = 0.05
 """``max_requests_per_server`` of the recovery run: llama-server starts a thread per open
 connection, and with 8,192 open each it answered nothing in 5 minutes on this machine."""
 
@@ -91,14 +98,17 @@ def prompts_for(in_flight: int, group: int) -> list[list[int]]:
 
 
 async def send_at_once(
-    urls: list[str], in_flight: int, group: int = 1, listed: bool = False
-) -> ClientRun:
+    urls: list[str], in_flight: int, group: int = 1, listed: bool = False,
+    per_server: int | None = None,
+) -> ClientRun:  # fmt: skip
     """``in_flight`` rows at once: with ``group`` 1 each a prompt of its own (one request
     each), else samples of prompts, ``group`` each, sent as one request per prompt; or,
-    ``listed``, each row a prompt of its own, unseeded, ``group`` prompts per request."""
+    ``listed``, each row a prompt of its own, unseeded, ``group`` prompts per request;
+    ``per_server``: ``max_requests_per_server`` (None: every request open at once)."""
     config = ServerGenerationConfig(
-        base_urls=urls, dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight
-    )
+        base_urls=urls, dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight,
+        max_requests_per_server=per_server,
+    )  # fmt: skip
     client = ServerClient(config, make_dialect("llamacpp"), vocab_size=1 << 16)
     await client.open()
     for server in client.router.servers:  # what start-up asks: the slots in /props
@@ -223,6 +233,21 @@ def client_section(loads: list[int], group: int) -> list[str]:
                     f"| {load} |"
                 )
                 print(lines[-1], file=sys.stderr, flush=True)  # progress
+        with echo_server(KEPT_LATENCY, group) as first, echo_server(KEPT_LATENCY, group) as second:
+            load = load_avg().split()[0]
+            runs = [
+                asyncio.run(send_at_once([first, second], in_flight, per_server=KEPT_OPEN))
+                for _ in range(REPEATS)
+            ]
+            run = sorted(runs, key=lambda r: r.cpu_s)[len(runs) // 2]
+            us = 1e6 / run.in_flight
+            lines.append(
+                f"| {in_flight:,} | `ServerClient`, at most {KEPT_OPEN} open per server "
+                f"| 1 prompt | {run.requests:,} | {run.cpu_s * us:,.0f} | {run.gc_s * us:,.0f} "
+                f"| {(run.cpu_s - run.gc_s) * us:,.0f} | {run.wall_s:.1f} | {run.failed} "
+                f"| {load} |"
+            )
+            print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
 

@@ -114,8 +114,9 @@ class ServerClient:
         """Rows of several text prompts that share a budget and stop strings, as one
         request listing their prompts (the dialect's :meth:`~ServerDialect.batch_body`) to
         a server that takes that many, else split in halves like :meth:`generate_group`.
-        Only for rows whose seed does not matter (greedy, or unseeded): the server samples
-        every prompt of the list with the request's one seed. A request the server rejects
+        Only for rows whose seed does not matter (greedy, or unseeded), unless the dialect
+        gives each listed prompt its own seed (``seeds_listed_prompts``); else the server
+        samples every prompt of the list with the request's one seed. A request the server rejects
         (4xx) is sent again in halves, down to one row each, so that only the rows whose
         prompt it rejects fail; one that fails otherwise fails or retries all its rows."""
         return await self._rows(list(requests), sampling, keys, False)

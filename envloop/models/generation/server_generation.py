@@ -82,8 +82,9 @@ class ServerGeneration(GenerationInterface):
     strings) go as one request for several completions where a server takes it
     (llama.cpp: up to its slots), each row with its own seed: the same tokens as a request
     per row, at a fraction of the client's CPU (docs/server_fleets.md). Where seeds do not
-    matter (greedy decoding, or ``seed: None``), rows of different prompts with one budget
-    and stop strings go as one request listing their prompts.
+    matter (greedy decoding, or ``seed: None``), or where the server samples each listed
+    prompt with its own seed (SGLang), rows of different prompts with one budget and stop
+    strings go as one request listing their prompts.
 
     Images: a batch may carry an ``images`` column, one entry per row (None, or the row's
     PIL images in the order of its image placeholder spans), beside its vision columns
@@ -255,10 +256,11 @@ class ServerGeneration(GenerationInterface):
         - consecutive text rows with the same prompt, budget and stop strings (a prompt's
           samples) go as one request for several completions, each row with its own seed,
           so each row gets the tokens a request of its own would give;
-        - where seeds do not matter (greedy decoding, or ``seed: null``), consecutive text
-          rows of other prompts with one budget and stop strings go as one request
-          listing their prompts (the server samples them all with one seed, which a
-          seeded run must not do: its rows go one request each)."""
+        - where seeds do not matter (greedy decoding, or ``seed: null``), or where the
+          dialect gives each listed prompt its own seed (SGLang), consecutive text rows of
+          other prompts with one budget and stop strings go as one request listing their
+          prompts (llama.cpp samples them all with one seed, which a seeded run must not
+          do: its rows go one request each)."""
         check_generation_input(data, self.vocab_size)
         images = self._row_images(data)
         batch = generation_columns(data)
@@ -281,10 +283,10 @@ class ServerGeneration(GenerationInterface):
                 run.append(request)
             else:
                 runs.append([request])
-        seedless = greedy or self.config.seed is None
+        listable = greedy or self.config.seed is None or self._client.dialect.seeds_listed_prompts
         groups: list[tuple[int, Coroutine[Any, Any, list[SampleResult]]]] = []
         first = 0
-        for group, one_prompt in _listed(runs, limit) if seedless else ((r, True) for r in runs):
+        for group, one_prompt in _listed(runs, limit) if listable else ((r, True) for r in runs):
             rows = slice(first, first + len(group))
             if one_prompt:
                 call = self._client.generate_group(group[0], len(group), sampling, keys[rows])

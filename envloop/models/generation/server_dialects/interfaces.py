@@ -135,6 +135,10 @@ class ServerDialect:
     image_count_fix: str = ""
     """How to make a server count an image prompt's tokens as the processor does (told when
     it counts them differently)."""
+    seeds_listed_prompts: bool = False
+    """Whether :meth:`batch_body` gives each listed prompt its own request's seed (True: a
+    seeded run may list rows of other prompts; False: the server samples every prompt of
+    a list with one seed, so only rows whose seed does not matter are listed)."""
 
     def __init__(self, model: str | None = None, decode: Decode | None = None) -> None:
         self.model, self.decode = model, decode
@@ -172,7 +176,8 @@ class ServerDialect:
     ) -> dict[str, Any]:  # fmt: skip
         """The body of one request listing the text prompts of ``requests`` (one budget,
         one set of stop strings), prompt ``j`` answered as a request of its own with the
-        first request's seed would be (callers send only rows whose seed does not
+        first request's seed would be, or with its own seed where
+        :attr:`seeds_listed_prompts` (else callers send only rows whose seed does not
         matter). Only called where :meth:`start` set the server's ``parallel`` to
         ``len(requests)`` or more."""
         raise NotImplementedError(f"the {self.name} dialect sends one prompt per request")

@@ -9,6 +9,7 @@ from envloop.models.generation.server_dialects.interfaces import (
     ControlRequest,
     Finish,
     GenerationRequest,
+    GetJson,
     MalformedReply,
     Reply,
     Sampling,
@@ -25,6 +26,7 @@ from envloop.models.generation.server_dialects.payloads import (
 
 if TYPE_CHECKING:
     from envloop.models.generation.server_media import RequestImages
+    from envloop.models.generation.server_routing import ServerSlot
 
 
 class SglangDialect(ServerDialect):
@@ -43,6 +45,12 @@ class SglangDialect(ServerDialect):
     ``vision_start pad vision_end``: SGLang's multimodal processor expands each pad to the
     image's token count, keeping the other ids as sent when the server runs with
     ``SGLANG_MM_AVOID_RETOKENIZE=1`` (else it decodes and re-tokenizes them).
+
+    Several rows in one request (:meth:`batch_body`, :meth:`group_body`): ``input_ids`` a
+    list of prompts and ``sampling_params`` a list of each prompt's own parameters, its
+    ``sampling_seed`` included, so each prompt is sampled as a request of its own would be
+    (``GenerateReqInput`` takes lists of both; the answer is a list of the prompts'
+    answers, in order). At most :data:`ROWS_PER_REQUEST` rows per request, text only.
 
     Weight reload (:meth:`weight_reload`), one request: ``POST /update_weights_from_disk``
     with ``{"model_path": <checkpoint>, "abort_all_requests": false, "weight_version":
@@ -67,6 +75,7 @@ class SglangDialect(ServerDialect):
         "model's architecture and sizes"
     )
     image_count_fix = "run the SGLang server with SGLANG_MM_AVOID_RETOKENIZE=1"
+    seeds_listed_prompts = True
 
     @classmethod
     def sampling_refused(cls, top_k: int | None, top_p: float) -> str | None:
@@ -98,21 +107,16 @@ class SglangDialect(ServerDialect):
                 "weight_version": str(version)}  # fmt: skip
         return WeightReload(reload=ControlRequest("/update_weights_from_disk", body))
 
+    async def start(self, server: ServerSlot, get_json: GetJson, vision: bool) -> None:
+        """SGLang takes a list of prompts in one request: up to :data:`ROWS_PER_REQUEST`."""
+        server.parallel = ROWS_PER_REQUEST
+
     def body(
         self, request: GenerationRequest, sampling: Sampling, media: ServerMedia | None = None
     ) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "max_new_tokens": request.budget,
-            **openai_sampling(sampling, top_k_off=-1),
-            "stop": request.stops or [],
-            "no_stop_trim": True,
-            "skip_special_tokens": False,
-        }
-        if request.seed is not None:
-            params["sampling_seed"] = request.seed
         body: dict[str, Any] = {
             "input_ids": request.prompt,
-            "sampling_params": params,
+            "sampling_params": _params(request, sampling),
             "return_logprob": True,
             "logprob_start_len": -1,
             "top_logprobs_num": 0,
@@ -122,6 +126,45 @@ class SglangDialect(ServerDialect):
             body["input_ids"] = _collapsed(request.prompt, request.images)
             body["image_data"] = [_data_uri(png) for png in request.images.png]
         return body
+
+    def group_body(
+        self, request: GenerationRequest, n: int, sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """:meth:`batch_body` of ``request``'s prompt ``n`` times, with seeds ``seed + j``
+        (SGLang's radix cache processes the shared prompt once).
+
+        >>> body = SglangDialect().group_body(GenerationRequest([5, 6], 4, None, 7), 2,
+        ...     Sampling(1.0, 1.0, None, greedy=False))
+        >>> body["input_ids"], [p["sampling_seed"] for p in body["sampling_params"]]
+        ([[5, 6], [5, 6]], [7, 8])
+        """
+        seeds = [None if request.seed is None else request.seed + j for j in range(n)]
+        return self.batch_body(
+            [GenerationRequest(request.prompt, request.budget, request.stops, seed, request.images)
+             for seed in seeds], sampling, media,
+        )  # fmt: skip
+
+    def batch_body(
+        self, requests: list[GenerationRequest], sampling: Sampling,
+        media: ServerMedia | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One request listing ``requests``' prompts, each with its own sampling
+        parameters (its seed and budget included)."""
+        if any(r.images is not None for r in requests):
+            raise ValueError("an SGLang request listing several prompts takes no images")
+        return {
+            **self.body(requests[0], sampling, media),
+            "input_ids": [r.prompt for r in requests],
+            "sampling_params": [_params(r, sampling) for r in requests],
+        }
+
+    def parse_group(self, payload: Any, n: int) -> list[Reply]:
+        """The answer to a request listing ``n`` prompts: their ``n`` answers, in order."""
+        if not isinstance(payload, list) or len(payload) != n:
+            got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
+            raise MalformedReply(f"listed {n} prompts, got {got}")
+        return [self.parse(item) for item in payload]
 
     def parse(self, payload: Any) -> Reply:
         meta = field(payload, "meta_info", dict)
@@ -144,6 +187,26 @@ class SglangDialect(ServerDialect):
         reply = checked_reply(tokens, [e[0] for e in entries], ended)
         reply.prompt_tokens = count(meta.get("prompt_tokens"))
         return reply
+
+
+ROWS_PER_REQUEST = 16
+"""The most rows :class:`SglangDialect` lists in one request: enough to share the HTTP work
+(16 rows' requests cost the client about what one does), few enough that a row does not
+wait long for the others of its request before its answer comes back."""
+
+
+def _params(request: GenerationRequest, sampling: Sampling) -> dict[str, Any]:
+    """A request's ``sampling_params``: every knob, its budget, and its seed if it has one."""
+    params: dict[str, Any] = {
+        "max_new_tokens": request.budget,
+        **openai_sampling(sampling, top_k_off=-1),
+        "stop": request.stops or [],
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    if request.seed is not None:
+        params["sampling_seed"] = request.seed
+    return params
 
 
 def _collapsed(prompt: list[int], images: RequestImages) -> list[int]:

@@ -9,8 +9,9 @@ order, and answer as each server's source does (routes and request models cited 
 raised, 404 ``{"detail": "Not Found"}`` without ``VLLM_SERVER_DEV_MODE=1``), ``/resume``
 ``{"status": "resumed"}``; SGLang's ``/update_weights_from_disk`` ``{"success", "message",
 "num_paused_requests"}`` (HTTP 400 with ``"success": false``). Generation answers follow
-``server_dialects/test_*_dialect.py``. They test our requests and version bookkeeping, not
-the servers.
+``server_dialects/test_*_dialect.py`` (SGLang's answer to a request listing prompts: a list
+of their answers, in order). They test our requests and version bookkeeping, and the rows
+we list in one SGLang request, not the servers.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ from aiohttp import web
 
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.distributed.loop_thread import LoopThread
-from envloop.models.generation.server_dialects import LlamaCppDialect
+from envloop.models.generation.server_dialects import (
+    GenerationRequest,
+    LlamaCppDialect,
+    Sampling,
+    SglangDialect,
+)
 from envloop.models.generation.server_generation import ServerGeneration, WeightUpdateFailed
 
 CHECKPOINT = "/checkpoints/step-100"
@@ -41,6 +47,8 @@ TOKENS = [120, 121, 2]
 """Every reply's tokens (2 is the tiny tokenizer's EOS)."""
 LOGPROBS = [-0.25, -1.5, -0.0625]
 PROMPTS = [[10, 11, 12], [13, 14]]
+GREEDY_OFF = Sampling(temperature=1.0, top_p=1.0, top_k=None, greedy=False)
+"""ServerGeneration's default sampling."""
 Answer = Callable[[Any], tuple[int, Any]]
 """A weight-update endpoint's answer to a request body: (HTTP status, JSON or plain text)."""
 
@@ -70,7 +78,7 @@ RECORDED: dict[str, dict[str, Answer]] = {
 NOT_FOUND: Answer = lambda body: (404, {"detail": "Not Found"})  # noqa: E731
 
 
-def generation_answer(dialect: str, body: dict[str, Any]) -> dict[str, Any]:
+def generation_answer(dialect: str, body: dict[str, Any]) -> Any:
     """Each server's answer (the shape of server_dialects/test_*_dialect.py's) generating
     ``TOKENS``."""
     if dialect == "vllm":
@@ -83,6 +91,8 @@ def generation_answer(dialect: str, body: dict[str, Any]) -> dict[str, Any]:
         return {"id": "cmpl-1", "object": "text_completion", "model": "m",
                 "choices": [choice], "usage": usage}  # fmt: skip
     if dialect == "sglang":
+        if body["input_ids"] and isinstance(body["input_ids"][0], list):  # prompts listed
+            return [generation_answer(dialect, {"input_ids": ids}) for ids in body["input_ids"]]
         entries = [[lp, t, None] for t, lp in zip(TOKENS, LOGPROBS)]
         meta = {"finish_reason": {"type": "stop", "matched": 2}, "weight_version": "default",
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(TOKENS),
@@ -100,8 +110,9 @@ class RecordedServer:
     """A stand-in server of ``dialect`` on 127.0.0.1, on its own thread and event loop.
 
     ``requests`` records each weight-update request as ``(method, path with query, JSON
-    body or None)``; ``log`` records those as ``"POST /path"`` and each generation request
-    as ``"generate"`` when it arrives and ``"answered"`` when it is answered. :meth:`hold`
+    body or None)``, ``generations`` each generation request's body; ``log`` records the
+    weight-update requests as ``"POST /path"`` and each generation request as
+    ``"generate"`` when it arrives and ``"answered"`` when it is answered. :meth:`hold`
     keeps generation answers back until :meth:`release`; ``fail_next_generation`` answers
     the next one with a 503 instead.
     """
@@ -110,6 +121,7 @@ class RecordedServer:
         self.dialect = dialect
         self.answers = {**RECORDED[dialect], **answers}
         self.requests: list[tuple[str, str, Any]] = []
+        self.generations: list[Any] = []
         self.log: list[str] = []
         self.generation_arrived = threading.Event()
         self.fail_next_generation = False
@@ -163,6 +175,7 @@ class RecordedServer:
 
     async def _generate(self, body: dict[str, Any]) -> web.Response:
         self.log.append("generate")
+        self.generations.append(body)
         self.generation_arrived.set()
         await self._released.wait()
         self.log.append("answered")
@@ -193,6 +206,7 @@ def policy_on(servers: list[RecordedServer], tokenizer: Path) -> Iterator[Server
     policy = ServerGeneration(config)
     for server in servers:  # forget the probe requests
         server.log.clear()
+        server.generations.clear()
         server.generation_arrived.clear()
     try:
         yield policy
@@ -271,7 +285,9 @@ def test_a_server_joining_after_an_update_reloads_that_checkpoint_first(tiny_pol
                 assert time.monotonic() < deadline, "the late server joined within 30 s"
                 time.sleep(0.05)
             assert late.requests == sglang_reload(1)  # before it took any request
-            out = policy.generate(batch())  # one row on each server
+            rows = batch()  # other stop strings: two requests, not one listing both rows
+            rows["stop_strings"] = [["</a>"], None]
+            out = policy.generate(rows)  # one row on each server
             assert torch.equal(out["policy_versions"], expected_versions(1))
             assert policy.request_stats()["answered"] == {up.url: 1, late.url: 1}
         finally:
@@ -410,3 +426,23 @@ def test_bad_arguments_are_refused_before_anything_is_sent(
         assert str(raised.value) == message
         assert servers[0].requests == []
         assert policy.policy_version == 0
+
+
+def test_sglang_takes_seeded_rows_of_other_prompts_in_one_request_each_with_its_seed(
+    tiny_policy_dir,
+):
+    """SGLang samples each prompt of a list with its own ``sampling_seed``, so a seeded
+    batch's rows of other prompts go as one request listing them, each row with the seed
+    and budget a request of its own would carry; its rows get their own answers."""
+    with serving("sglang", {}) as servers, policy_on(servers, tiny_policy_dir) as policy:
+        out = policy.generate(batch())
+        alone = [SglangDialect().body(GenerationRequest(p, 8, None, 0), GREEDY_OFF)
+                 for p in PROMPTS]  # fmt: skip
+        (listed,) = servers[0].generations
+    assert listed["input_ids"] == PROMPTS
+    seeds = [params.pop("sampling_seed") for params in listed["sampling_params"]]
+    assert seeds[1] == seeds[0] + 1  # each row's own seed, as ServerGeneration numbers them
+    for params in alone:
+        params["sampling_params"].pop("sampling_seed")
+    assert listed["sampling_params"] == [body["sampling_params"] for body in alone]
+    assert out["generation_lengths"].tolist() == [len(TOKENS)] * 2

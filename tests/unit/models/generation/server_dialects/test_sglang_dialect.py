@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -14,6 +15,9 @@ from envloop.models.generation.server_dialects import (
     Reply,
     SglangDialect,
 )
+from envloop.models.generation.server_dialects.sglang import ROWS_PER_REQUEST
+from envloop.models.generation.server_media import RequestImages
+from envloop.models.generation.server_routing import ServerSlot
 from tests.fixtures.dialect_requests import GREEDY, IM_END, MODEL, REQUEST, SAMPLED, UNFILTERED
 
 
@@ -164,3 +168,54 @@ def test_sglang_top_k_off_and_no_seed():
     params = SglangDialect().body(request, UNFILTERED)["sampling_params"]
     assert (params["top_k"], params["top_p"], params["temperature"]) == (-1, 0.9, 0.7)
     assert "sampling_seed" not in params
+
+
+def test_sglang_lists_prompts_each_with_its_own_sampling_params():
+    """``GenerateReqInput`` takes ``input_ids`` and ``sampling_params`` as lists, one entry
+    per prompt: each prompt keeps the seed (and budget) a request of its own would carry."""
+    other = GenerationRequest(prompt=[9625, 374], budget=7, stops=["</a>"], seed=11)
+    body = SglangDialect().batch_body([REQUEST, other], SAMPLED)
+    alone = [SglangDialect().body(r, SAMPLED) for r in (REQUEST, other)]
+    assert body == {
+        **alone[0],
+        "input_ids": [REQUEST.prompt, other.prompt],
+        "sampling_params": [b["sampling_params"] for b in alone],
+    }
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [5, 11]
+    assert [p["max_new_tokens"] for p in body["sampling_params"]] == [12, 7]
+
+
+def test_sglang_group_lists_the_prompt_with_consecutive_seeds():
+    body = SglangDialect().group_body(REQUEST, 3, SAMPLED)
+    assert body["input_ids"] == [REQUEST.prompt] * 3
+    assert [p.pop("sampling_seed") for p in body["sampling_params"]] == [5, 6, 7]
+    single = SglangDialect().body(REQUEST, SAMPLED)["sampling_params"]
+    del single["sampling_seed"]
+    assert body["sampling_params"] == [single] * 3
+    unseeded = GenerationRequest(REQUEST.prompt, 12, None, None)
+    params = SglangDialect().group_body(unseeded, 2, SAMPLED)["sampling_params"]
+    assert all("sampling_seed" not in p for p in params)
+
+
+def test_sglang_answer_to_a_list_is_read_in_order():
+    second = sglang_answer([13, IM_END], [-0.5, -0.01], {"type": "stop", "matched": IM_END})
+    replies = SglangDialect().parse_group([SGLANG_EOS, second], 2)
+    assert [r.tokens for r in replies] == [[12095, 13, IM_END], [13, IM_END]]
+    with pytest.raises(MalformedReply, match="^listed 2 prompts, got one answer$"):
+        SglangDialect().parse_group(SGLANG_EOS, 2)
+    with pytest.raises(MalformedReply, match="^listed 3 prompts, got 2 answers$"):
+        SglangDialect().parse_group([SGLANG_EOS, second], 3)
+
+
+def test_sglang_lists_no_images_and_takes_up_to_its_rows_per_request():
+    images = RequestImages(png=(b"\x89PNG",), spans=((1, 3),))
+    pictured = GenerationRequest([785, 1, 2, 3, 374], 12, None, 5, images)
+    with pytest.raises(ValueError, match="listing several prompts takes no images"):
+        SglangDialect().batch_body([REQUEST, pictured], SAMPLED)
+    server = ServerSlot("http://127.0.0.1:30000")
+    asyncio.run(SglangDialect().start(server, _no_get, vision=False))
+    assert server.parallel == ROWS_PER_REQUEST == 16
+
+
+async def _no_get(url: str) -> Any:
+    raise AssertionError(f"SGLang's start-up asks nothing: GET {url}")
