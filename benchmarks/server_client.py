@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import aiohttp
 import torch
 from _http_echo import echo_server, raise_open_files_limit
 from _workloads import GcTimer, load_avg
@@ -55,12 +56,13 @@ from transformers import AutoTokenizer
 from envloop.distributed.batched_data_dict import BatchedDataDict
 from envloop.models.bundled import resolve_model
 from envloop.models.generation.hf_generation import HfGeneration
-from envloop.models.generation.server_client import ServerClient
+from envloop.models.generation.server_client import RetryableFailure, ServerClient
 from envloop.models.generation.server_dialects import GenerationRequest, Sampling, make_dialect
 from envloop.models.generation.server_generation import (
     ServerGeneration,
     ServerGenerationConfig,
 )
+from envloop.models.generation.server_routing import ServerSlot
 from tests.fixtures.llama_server import LlamaServer, converted_gguf
 
 POLICY = "bundled:policy"
@@ -118,12 +120,51 @@ async def send_all(client: ServerClient, prompt: list[int], requests: int) -> in
     return sum(r.error is not None or len(r.tokens) != REPLY_TOKENS for r in results)
 
 
-async def measure_client(url: str, in_flight: int, requests: int, prompt: list[int]) -> ClientRun:
-    """A fresh ``ServerClient`` limited to ``in_flight`` sends ``requests`` at once."""
+class AiohttpClient(ServerClient):
+    """``ServerClient`` with its generation requests sent through one pooled aiohttp
+    session (a general-purpose HTTP client, what ``ServerClient`` used before its own
+    kept-alive connections), for comparison; the same bounds, retries and parsing."""
+
+    async def open(self) -> None:
+        await super().open()
+        limit = self.config.max_concurrent_requests
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0),
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s),
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+        await super().close()
+
+    async def _post(self, server: ServerSlot, path: str, body: dict[str, Any]) -> Any:
+        assert self._slots is not None
+        async with (
+            self._server_slots[server.url],
+            self._slots,
+            self.session.post(
+                server.url + path, data=json.dumps(body), headers=JSON_HEADERS
+            ) as reply,
+        ):
+            status, raw = reply.status, await reply.read()
+        if status != 200:
+            raise RetryableFailure(f"HTTP {status}: {raw[:300]!r}")
+        return json.loads(raw)
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+CLIENTS = {"envloop": ServerClient, "aiohttp": AiohttpClient}
+
+
+async def measure_client(
+    url: str, in_flight: int, requests: int, prompt: list[int], through: str = "envloop"
+) -> ClientRun:
+    """A fresh client (``through``: a key of :data:`CLIENTS`) limited to ``in_flight``
+    sends ``requests`` at once."""
     config = ServerGenerationConfig(
         base_urls=[url], dialect="llamacpp", tokenizer=POLICY, max_concurrent_requests=in_flight
     )
-    client = ServerClient(config, make_dialect("llamacpp"), vocab_size=1 << 16)
+    client = CLIENTS[through](config, make_dialect("llamacpp"), vocab_size=1 << 16)
     await client.open()
     server_stats(url)  # resets the server's peak
     gc.collect()
@@ -142,9 +183,11 @@ def server_stats(url: str) -> dict[str, int]:
         return json.loads(answer.read())
 
 
-def run_at_limit(in_flight: int, requests: int, prompt: list[int]) -> ClientRun:
+def run_at_limit(
+    in_flight: int, requests: int, prompt: list[int], through: str = "envloop"
+) -> ClientRun:
     with echo_server(echo_latency_s(in_flight)) as url:
-        return asyncio.run(measure_client(url, in_flight, requests, prompt))
+        return asyncio.run(measure_client(url, in_flight, requests, prompt, through))
 
 
 def median_run(runs: list[ClientRun]) -> ClientRun:
@@ -156,25 +199,31 @@ def client_section(args: argparse.Namespace, prompt: list[int]) -> list[str]:
     requests = 2048 if args.quick else 8192
     repeats = 1 if args.quick else 3
     run_at_limit(16, 64, prompt)  # warm-up: first connections, lazy imports
-    rounds = [[run_at_limit(limit, requests, prompt) for limit in limits] for _ in range(repeats)]
-    runs = [median_run(list(same_limit)) for same_limit in zip(*rounds)]
+    rounds = [
+        [run_at_limit(limit, requests, prompt, through) for limit in limits for through in CLIENTS]
+        for _ in range(repeats)
+    ]
+    medians = [median_run(list(same)) for same in zip(*rounds)]
+    runs, baselines = medians[0::2], medians[1::2]
     lines = [
         f"Client cost per request: `ServerClient` (llama.cpp dialect) sends {requests:,} "
         f"requests at once ({len(prompt)}-token prompt, {REPLY_TOKENS} tokens back) to a "
         "stand-in server in another process that answers each after the latency shown; "
-        f"the run with the median client CPU of {repeats}, limits alternating.",
+        f"the run with the median client CPU of {repeats}, limits alternating; beside it the "
+        "same client sending through one pooled aiohttp session (`AiohttpClient`).",
         "",
         "| in flight (limit) | server latency s | requests | client CPU µs/request "
-        "| of which cyclic GC | without GC | wall s | requests/s | peak open at the server "
-        "| retries / failed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| of which cyclic GC | without GC | through aiohttp µs/request | aiohttp / envloop "
+        "| wall s | peak open at the server | retries / failed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
+    for run, baseline in zip(runs, baselines):
         cpu, collector = run.us_per_request(run.cpu_s), run.us_per_request(run.gc_s)
+        other = baseline.us_per_request(baseline.cpu_s)
         lines.append(
             f"| {run.in_flight:,} | {echo_latency_s(run.in_flight):g} | {run.requests:,} "
-            f"| {cpu:,.0f} | {collector:,.0f} | {cpu - collector:,.0f} | {run.wall_s:.2f} "
-            f"| {run.requests / run.wall_s:,.0f} | {run.peak_open:,} "
+            f"| {cpu:,.0f} | {collector:,.0f} | {cpu - collector:,.0f} | {other:,.0f} "
+            f"| {other / cpu:.2f}x | {run.wall_s:.2f} | {run.peak_open:,} "
             f"| {run.retries} / {run.failed} |"
         )
     first, last = runs[0], runs[-1]

@@ -196,7 +196,9 @@ def client_section(loads: list[int], group: int) -> list[str]:
         f"of its own, unseeded, {group} prompts listed per request, through `ServerClient` "
         "and through `ServerGeneration.generate` (tensors in and out, the client's thread "
         f"included); the median CPU of {REPEATS} runs (one run for one row per request "
-        "past 4,096).",
+        f"past 4,096). Last at each load: each row a prompt of its own, at most {KEPT_OPEN} "
+        f"requests open at each server (`max_requests_per_server`; servers answering after "
+        f"{KEPT_LATENCY:g} s), so that connections are reused, median of {REPEATS}.",
         "",
         "| in flight (rows) | through | rows per request | HTTP requests | client CPU µs/row "
         "| of which cyclic GC | without GC | wall s | failed | load before |",
