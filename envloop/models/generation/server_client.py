@@ -3,13 +3,14 @@
 Each server's requests go over its own :class:`~http_connections.HttpConnections`: a
 connection is handed to the next request when its answer is read, so the client's cost per
 request does not grow with the number in flight (``benchmarks/server_fleet.py client``
-measures it); a semaphore bounds the requests in flight over all servers, and
-``max_requests_per_server`` those at one server, which bounds its open connections. A request that
-cannot reach its server (refused connection, reset, timeout), gets a 5xx or 429 answer, or
-gets an answer the dialect cannot read is retried after an exponential backoff with full
-jitter, on whichever server the router picks then; after ``max_retries`` retries only that
-row fails, with the last error as its text. A 4xx answer is the request's own fault and
-fails its row at once, with the server's message.
+measures it). A semaphore bounds the requests in flight over all servers, and
+``max_requests_per_server`` those at one server, which bounds its open connections.
+
+A request that cannot reach its server (refused connection, reset, timeout), gets a 5xx
+or 429 answer, or gets an answer the dialect cannot read is retried after an exponential
+backoff with full jitter, on whichever server the router picks then; after ``max_retries``
+retries only that row fails, with the last error as its text. A 4xx answer is the
+request's own fault and fails its row at once, with the server's message.
 
 Weight updates (:meth:`ServerClient.update_weights`) hold new attempts back until the
 attempts in flight are answered, then reload every server (:mod:`server_weights`); each
@@ -116,9 +117,10 @@ class ServerClient:
         a server that takes that many, else split in halves like :meth:`generate_group`.
         Only for rows whose seed does not matter (greedy, or unseeded), unless the dialect
         gives each listed prompt its own seed (``seeds_listed_prompts``); else the server
-        samples every prompt of the list with the request's one seed. A request the server rejects
-        (4xx) is sent again in halves, down to one row each, so that only the rows whose
-        prompt it rejects fail; one that fails otherwise fails or retries all its rows."""
+        samples every prompt of the list with the request's one seed. A request the server
+        rejects (4xx) is sent again in halves, down to one row each, so that only the rows
+        whose prompt it rejects fail; one that fails otherwise fails or retries all its
+        rows."""
         return await self._rows(list(requests), sampling, keys, False)
 
     async def _rows(
