@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25  # the slowest tests, to keep the suite within its time
 
 .PHONY: venv test demo lint format bench docs docs-serve clean llama-server
 
