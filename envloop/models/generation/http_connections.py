@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -70,10 +71,9 @@ class HttpConnections:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         head = self._head(method, path, body)
-        reuse = True
+        connection = self._take()
         while True:
-            connection = self._take() if reuse else None
-            reused = connection is not None
+            fresh = connection is None
             if connection is None:
                 connection = await self._connect(loop, deadline - loop.time(), timeout_s)
             try:
@@ -81,12 +81,12 @@ class HttpConnections:
                     loop, head, body, deadline, timeout_s
                 )
             except _SilentClose:
-                if reused:  # the server had closed it while idle: once more, on a new one
-                    reuse = False
-                    continue
-                raise ConnectionResetError(
-                    "the server closed the connection without answering"
-                ) from None
+                if fresh:
+                    raise ConnectionResetError(
+                        "the server closed the connection without answering"
+                    ) from None
+                connection = None  # closed by the server while idle: once more, on a new one
+                continue
             if keep and not self._closed:
                 self._idle.append(connection)
             else:
@@ -240,18 +240,14 @@ class _Connection(asyncio.Protocol):
         return (head.status, bytes(buffer), False) if closed else None
 
 
+@dataclass(frozen=True)
 class _Head:
     """An answer's status line and the headers that say where its body ends."""
 
-    __slots__ = ("chunked", "keep_alive", "length", "status")
-
-    def __init__(self, status: int, length: int | None, chunked: bool, keep_alive: bool):
-        self.status, self.length, self.chunked, self.keep_alive = (
-            status,
-            length,
-            chunked,
-            keep_alive,
-        )
+    status: int
+    length: int | None
+    chunked: bool
+    keep_alive: bool
 
     @classmethod
     def read(cls, raw: bytes) -> _Head:

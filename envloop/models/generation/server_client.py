@@ -107,7 +107,7 @@ class ServerClient:
         server rejects (4xx, e.g. a server restarted with fewer slots than it listed) is
         sent again in halves, down to one row each; one that fails otherwise fails or
         retries all its rows together."""
-        return await self._rows([_shifted(request, j) for j in range(n)], sampling, keys, True)
+        return await self._rows([request.shifted(j) for j in range(n)], sampling, keys, True)
 
     async def generate_batch(
         self, requests: Sequence[GenerationRequest], sampling: Sampling, keys: Sequence[Any]
@@ -390,15 +390,6 @@ def _row_tokens(
     if len(tokens) > request.budget:
         tokens, logprobs, finish = tokens[: request.budget], logprobs[: request.budget], "length"
     return SampleResult(tokens, logprobs, finish == "length", versions=[version] * len(tokens))
-
-
-def _shifted(request: GenerationRequest, j: int) -> GenerationRequest:
-    """``request`` with its seed moved on by ``j`` (unseeded stays unseeded; ``j`` 0: the
-    request itself)."""
-    if j == 0:
-        return request
-    seed = None if request.seed is None else request.seed + j
-    return GenerationRequest(request.prompt, request.budget, request.stops, seed, request.images)
 
 
 def _counted(reply: Reply, request: GenerationRequest, fix: str) -> Reply:

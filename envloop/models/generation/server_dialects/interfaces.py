@@ -57,6 +57,18 @@ class GenerationRequest:
     seed: int | None
     images: RequestImages | None = None
 
+    def shifted(self, j: int) -> GenerationRequest:
+        """This request with its seed moved on by ``j`` (sample ``j`` of its prompt;
+        unseeded stays unseeded; ``j`` 0: the request itself).
+
+        >>> GenerationRequest([5], 4, None, 7).shifted(2).seed
+        9
+        """
+        if j == 0:
+            return self
+        seed = None if self.seed is None else self.seed + j
+        return GenerationRequest(self.prompt, self.budget, self.stops, seed, self.images)
+
 
 @dataclass(frozen=True)
 class ServerMedia:

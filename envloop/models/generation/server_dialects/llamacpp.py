@@ -23,7 +23,7 @@ from envloop.models.generation.server_dialects.interfaces import (
     ServerDialect,
     ServerMedia,
 )
-from envloop.models.generation.server_dialects.payloads import count, field
+from envloop.models.generation.server_dialects.payloads import count, field, listed_answers
 
 if TYPE_CHECKING:
     from envloop.models.generation.server_routing import ServerSlot
@@ -141,9 +141,7 @@ class LlamaCppDialect(ServerDialect):
     def parse_group(self, payload: Any, n: int) -> list[Reply]:
         """The answer to :meth:`group_body` or :meth:`batch_body` is a list of ``n``
         answers, ordered by their ``index`` (completion j: seed + j; prompt j)."""
-        if not isinstance(payload, list) or len(payload) != n:
-            got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
-            raise MalformedReply(f"asked for {n} completions, got {got}")
+        payload = listed_answers(payload, n, f"asked for {n} completions")
         indexes = [item.get("index", j) if isinstance(item, dict) else j
                    for j, item in enumerate(payload)]  # fmt: skip
         if indexes != list(range(n)):

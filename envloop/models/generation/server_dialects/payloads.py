@@ -36,6 +36,19 @@ def openai_sampling(sampling: Sampling, top_k_off: int) -> dict[str, Any]:
     }
 
 
+def listed_answers(payload: Any, n: int, asked: str) -> list[Any]:
+    """``payload`` if it is a list of ``n`` answers; else :class:`MalformedReply` saying
+    what was ``asked`` and what came.
+
+    >>> listed_answers([{}, {}], 2, "asked for 2 completions")
+    [{}, {}]
+    """
+    if not isinstance(payload, list) or len(payload) != n:
+        got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
+        raise MalformedReply(f"{asked}, got {got}")
+    return payload
+
+
 def count(value: Any) -> int | None:
     """``value`` if it is an int (not a bool), else None."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -21,6 +21,7 @@ from envloop.models.generation.server_dialects.payloads import (
     checked_reply,
     count,
     field,
+    listed_answers,
     openai_sampling,
 )
 
@@ -139,11 +140,7 @@ class SglangDialect(ServerDialect):
         >>> body["input_ids"], [p["sampling_seed"] for p in body["sampling_params"]]
         ([[5, 6], [5, 6]], [7, 8])
         """
-        seeds = [None if request.seed is None else request.seed + j for j in range(n)]
-        return self.batch_body(
-            [GenerationRequest(request.prompt, request.budget, request.stops, seed, request.images)
-             for seed in seeds], sampling, media,
-        )  # fmt: skip
+        return self.batch_body([request.shifted(j) for j in range(n)], sampling, media)
 
     def batch_body(
         self, requests: list[GenerationRequest], sampling: Sampling,
@@ -161,10 +158,7 @@ class SglangDialect(ServerDialect):
 
     def parse_group(self, payload: Any, n: int) -> list[Reply]:
         """The answer to a request listing ``n`` prompts: their ``n`` answers, in order."""
-        if not isinstance(payload, list) or len(payload) != n:
-            got = f"{len(payload)} answers" if isinstance(payload, list) else "one answer"
-            raise MalformedReply(f"listed {n} prompts, got {got}")
-        return [self.parse(item) for item in payload]
+        return [self.parse(item) for item in listed_answers(payload, n, f"listed {n} prompts")]
 
     def parse(self, payload: Any) -> Reply:
         meta = field(payload, "meta_info", dict)
